@@ -1,0 +1,84 @@
+"""Offline throughput: splitserve's engine vs Hugging Face `generate` with
+static batching, on the same prompts and weights, in one run.
+
+    splitserve bench offline            # 64 prompts of 64-512 tokens x 128 new tokens, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the first ids: SmolLM2 keeps its special tokens there.
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def bench_splitserve(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[0][:16], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
+
+
+def bench_hf(model_dir: Any, dtype: str, prompts: list[list[int]], output_len: int,
+             batch_size: int, pad_id: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    n = 0
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+        n += (out.shape[1] - width) * len(batch)
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine import LLM
+    from services.cli import engine_kwargs
+
+    kw = engine_kwargs(args)
+    if kw["num_threads"] is None:
+        kw["num_threads"] = torch.get_num_threads()
+    torch.set_num_threads(kw["num_threads"])
+    llm = LLM(**kw)
+    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                           llm.engine.vocab_size)
+    rows: dict[str, dict[str, float]] = {}
+    rows["splitserve"] = bench_splitserve(llm, prompts, args.output_len)
+    if not args.skip_hf:
+        model_dir = llm.engine.runner.model_dir
+        del llm
+        rows[f"hf-generate (static batch {args.hf_batch_size})"] = bench_hf(
+            model_dir, args.dtype, prompts, args.output_len, args.hf_batch_size, pad_id=0)
+    base = list(rows.values())[-1]["output_tok_s"]
+    print(f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens x "
+          f"{args.output_len} new tokens, {args.dtype}, {kw['num_threads']} threads")
+    print(f"{'system':<34} {'seconds':>9} {'out tok/s':>10} {'vs HF':>7}")
+    for name, r in rows.items():
+        print(f"{name:<34} {r['seconds']:>9.1f} {r['output_tok_s']:>10.1f} "
+              f"{r['output_tok_s'] / base:>6.2f}x")
+    if args.json:
+        print(json.dumps({"bench": "offline", **{k: v for k, v in rows.items()}}))
+    return 0

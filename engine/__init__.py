@@ -1,0 +1,25 @@
+"""splitserve's inference engine.
+
+`LLM` is imported lazily so that torch-free users (the frontend) can import
+`engine.hashing` and `engine.sampling_params` without pulling in torch.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from engine import outputs
+        return getattr(outputs, name)
+    raise AttributeError(name)

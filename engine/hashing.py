@@ -1,0 +1,47 @@
+"""The one chained block hash (DESIGN.md invariant 1).
+
+A block's hash is a fixed, process-independent function of its parent block's
+hash, its token ids and the extra keys (model id, cache salt, LoRA id).  Only
+full blocks are hashed.  Engine, prefix index and router all call this module.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes  # 16 bytes of BLAKE2b
+
+ROOT_HASH: BlockHash = hashlib.blake2b(b"splitserve/block-hash/v1", digest_size=16).digest()
+
+
+def extra_keys(model_id: str, cache_salt: str | None = None, lora_id: str | None = None) -> bytes:
+    """Encode the extra keys once per request; length-prefixed so no two
+    different key tuples share an encoding."""
+    out = bytearray()
+    for key in (model_id, cache_salt or "", lora_id or ""):
+        raw = key.encode("utf-8")
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes) -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else ROOT_HASH)
+    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, extra: bytes,
+                parent: BlockHash | None = None, start: int = 0) -> list[BlockHash]:
+    """Hashes of every full block of token_ids[start:], chained from parent.
+    `start` must be a multiple of block_size."""
+    assert start % block_size == 0
+    hashes: list[BlockHash] = []
+    for i in range(start, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[i:i + block_size], extra)
+        hashes.append(parent)
+    return hashes

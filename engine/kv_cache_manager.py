@@ -1,0 +1,100 @@
+"""Maps requests to blocks: prefix-cache lookup, slot allocation, freeing.  Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.block_pool import Block, BlockPool, CacheEvent
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached run of the request's leading full blocks.  At least
+        one token is always left to compute, so the step has logits to sample."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = req.update_block_hashes(self.block_size)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[Block] = []
+        for i, h in enumerate(hashes[:max_blocks]):
+            block = self.pool.lookup(h, req.all_token_ids[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[Block] = ()) -> list[Block] | None:
+        """Reserve blocks for num_new_tokens more tokens after the request's
+        computed ones (and after new_computed_blocks, prefix hits taken now).
+        Returns the newly allocated blocks, or None if the pool can't supply
+        them; then nothing changes."""
+        blocks = self._blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(new_computed_blocks)
+        # Hits nobody references sit in the free queue; taking them uses free slots.
+        num_idle_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_idle_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self._blocks[req.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+        self.cache_full_blocks(req, total)
+        return new_blocks
+
+    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register the blocks that are full once num_tokens tokens are in the
+        cache.  (In one process a step writes every layer's KV before any
+        attention reads it, so a block may be shared from the step that fills it.)"""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        done = self._num_hashed.get(req.request_id, 0)
+        num_full = min(num_tokens, req.num_tokens) // bs
+        if num_full <= done:
+            return
+        hashes = req.update_block_hashes(bs)
+        blocks = self._blocks[req.request_id]
+        toks = [req.all_token_ids[i * bs:(i + 1) * bs] for i in range(done, num_full)]
+        self.pool.cache_blocks(blocks[done:num_full], hashes[done:num_full], toks,
+                               parent=hashes[done - 1] if done else None)
+        self._num_hashed[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self._blocks.pop(req.request_id, [])
+        self._num_hashed.pop(req.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.pool.take_events()

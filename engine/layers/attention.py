@@ -1,0 +1,100 @@
+"""Paged attention over the block-contiguous KV cache.
+
+KV cache layout (one tensor per engine):
+    kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+so that one block, all layers, K and V, is one contiguous region that the
+transfer layer can send as-is.
+
+A step's query tokens are the concatenation of every scheduled sequence's new
+tokens. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; its
+keys are positions 0..seq_lens[i]-1 (cached prefix + new tokens), and query j
+of a sequence with q_len new tokens sits at position seq_len - q_len + j and
+sees keys 0..that position (causal). Decodes (q_len == 1) come first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens: list[int]  # host copies, for the CPU path
+    seq_lens_host: list[int]
+    num_decodes: int  # the first num_decodes sequences have q_len == 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's new keys and values.  k, v: [T, Hkv, D]."""
+    block_size = kv_cache.shape[3]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    kv_cache[blocks, layer, 0, offsets] = k
+    kv_cache[blocks, layer, 1, offsets] = v
+
+
+def _gather(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_table: [B, nb] -> K, V: [B, Hkv, nb * block_size, D]."""
+    b, nb = block_table.shape
+    kv = kv_cache[block_table, layer]  # [B, nb, 2, bs, Hkv, D]
+    bs, hkv, d = kv.shape[3], kv.shape[4], kv.shape[5]
+    k = kv[:, :, 0].reshape(b, nb * bs, hkv, d).transpose(1, 2)
+    v = kv[:, :, 1].reshape(b, nb * bs, hkv, d).transpose(1, 2)
+    return k, v
+
+
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Torch path.  q: [T, Hq, D]; k_new, v_new: [T, Hkv, D] (already written
+    to the cache).  Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[3]
+    nd = meta.num_decodes
+    if nd:
+        # All decodes in one padded SDPA call.
+        max_len = max(meta.seq_lens_host[:nd])
+        nb = (max_len + block_size - 1) // block_size
+        k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb])
+        key_pos = torch.arange(nb * block_size, device=q.device)
+        mask = key_pos[None, :] < meta.seq_lens[:nd, None]  # [Bd, L]
+        qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for i in range(nd, meta.num_seqs):
+        q_len, seq_len = meta.query_lens[i], meta.seq_lens_host[i]
+        end = start + q_len
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        if q_len == seq_len:
+            # No cached prefix: the new keys are the whole context.
+            ki = k_new[start:end].transpose(0, 1).unsqueeze(0)
+            vi = v_new[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            nb = (seq_len + block_size - 1) // block_size
+            ki, vi = _gather(kv_cache, layer, meta.block_tables[i:i + 1, :nb])
+            ki, vi = ki[:, :, :seq_len], vi[:, :, :seq_len]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            k_pos = torch.arange(seq_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out

@@ -1,0 +1,128 @@
+"""Offline API in the shape vLLM users know:
+
+    from engine import LLM, SamplingParams
+    llm = LLM(dtype="float32")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: float = 0.25, num_blocks: int | None = None,
+                 scheduling_policy: str = "fcfs", seed: int = 0, device: str = "auto",
+                 num_threads: int | None = None, attention_backend: str = "auto",
+                 speculative_config: dict[str, Any] | None = None) -> None:
+        spec = dict(speculative_config or {})
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
+                              num_threads=num_threads, attention_backend=attention_backend),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len or 1 << 30,
+                                      policy=scheduling_policy),  # type: ignore[arg-type]
+            speculative=SpeculativeConfig(method=spec.pop("method", None),
+                                          num_speculative_tokens=spec.pop("num_speculative_tokens", 0),
+                                          options=spec))
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: Sequence[int] | None = None, cache_salt: str | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+        A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                rid = str(next(self._ids))
+                ids = self.engine.tokenize(prompt)
+                ro = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
+                results.append(ro)
+                for j in range(p.n):
+                    child = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    cid = f"{rid}-{j}"
+                    self.engine.add_request(cid, ids, child,
+                                            priority=priority[i] if priority else 0,
+                                            cache_salt=cache_salt)
+                    added.append(cid)
+                    co = CompletionOutput(j, "", [], logprobs=[] if p.logprobs is not None else None)
+                    ro.outputs.append(co)
+                    children[cid] = (ro, co)
+            self._run(children)
+        except BaseException:
+            for cid in added:
+                self.engine.abort(cid)
+            raise
+        return results
+
+    def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]]) -> None:
+        pending = set(children)
+        while pending:
+            for out in self.engine.step():
+                ro, co = children[out.request_id]
+                co.token_ids += out.new_token_ids
+                co.text += out.new_text
+                if out.new_logprobs is not None and co.logprobs is not None:
+                    co.logprobs += out.new_logprobs
+                    co.cumulative_logprob = sum(
+                        pos[t].logprob for pos, t in zip(co.logprobs, co.token_ids, strict=True))
+                ro.num_cached_tokens = max(ro.num_cached_tokens, out.num_cached_tokens)
+                if out.finished:
+                    co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
+                    pending.discard(out.request_id)
+                    ro.finished = all(c.finish_reason is not None for c in ro.outputs)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template and generate.  `messages` is one
+        conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                 tokenize=True)
+        if isinstance(ids, dict):  # newer tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,134 @@
+"""One engine: tokenizer, scheduler, KV cache manager and model runner in one loop."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.hashing import extra_keys
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_tokenizer, model_name, resolve_model
+from engine.outputs import Logprob, PositionLogprobs, StepOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import SampledToken
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = resolve_model(config.model.model)
+        self.model_id = model_name(config.model.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(model_dir, config.model, config.cache)
+        spec = self.runner.spec
+        hf_cfg = json.loads((model_dir / "config.json").read_text())
+        max_len = min(config.scheduler.max_model_len, spec.max_position_embeddings)
+        self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_len))
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = _eos_ids(hf_cfg, model_dir, self.tokenizer)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self._rng = random.Random(config.model.seed)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt: token id {t!r} is not in [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue one request (params.n is handled by the caller).
+        Raises ValueError naming the field; the engine state is untouched then."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, max_model_len is {self.max_model_len}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token id {bad[0]} is not in [0, {self.vocab_size})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
+        req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                      priority=priority, arrival_time=arrival_time, rng=rng,
+                      extra_keys=extra_keys(self.model_id, cache_salt))
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sampled = self.runner.execute(plan)
+        changed = self.scheduler.update(plan, sampled)
+        return [self._output(req, sampled[req.request_id]) for req in changed]
+
+    def _output(self, req: Request, tok: SampledToken) -> StepOutput:
+        detok = self._detok[req.request_id]
+        text = detok.push([tok.token_id])
+        if detok.stop_reason is not None and not req.status.finished:
+            req.stop_reason = detok.stop_reason
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.status.finished and detok.stop_reason is None:
+            text += detok.flush()
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [self._position_logprobs(tok)]
+        out = StepOutput(req.request_id, [tok.token_id], text, logprobs,
+                         finished=req.status.finished, finish_reason=req.status.finish_reason,
+                         stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                         num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.status.finished:
+            del self._detok[req.request_id]
+        return out
+
+    def _position_logprobs(self, tok: SampledToken) -> PositionLogprobs:
+        out: PositionLogprobs = {}
+        for rank, (tid, lp) in enumerate(sorted(tok.top_logprobs.items(), key=lambda kv: -kv[1]), 1):
+            out[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+        if tok.token_id not in out:
+            out[tok.token_id] = Logprob(tok.logprob, tok.rank, self.tokenizer.decode([tok.token_id]))
+        return out
+
+
+def _eos_ids(hf_cfg: dict, model_dir, tokenizer) -> frozenset[int]:  # type: ignore[no-untyped-def]
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    for cfg in (hf_cfg, json.loads(gen.read_text()) if gen.exists() else {}):
+        eos = cfg.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

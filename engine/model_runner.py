@@ -1,0 +1,158 @@
+"""Torch side of a step: KV tensors, input preparation, forward, sampling."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, inv_freq
+from engine.sampler import SampledToken, SamplingRow, sample
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    spec = LlamaSpec.from_hf(json.loads((model_dir / "config.json").read_text()))
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model: no .safetensors files in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118
+                tensors[name] = st.get_tensor(name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    model = model.to_empty(device="cpu").to(dtype)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = inv_freq(spec)  # the one built under the meta device holds no data
+    model.load_hf_state_dict(tensors)
+    return model.to(device).eval()
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        if model_config.num_threads:
+            torch.set_num_threads(model_config.num_threads)
+        self.model_dir = model_dir
+        self.device = resolve_device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.spec = self.model.spec
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
+        s = self.spec
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block is contiguous.
+        self.kv_cache = torch.zeros(self.num_blocks, s.num_layers, 2, self.block_size,
+                                    s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        self.attn = self._attention_backend(model_config.attention_backend)
+        log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", model_dir.name, self.num_blocks,
+                 self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    @property
+    def block_bytes(self) -> int:
+        s = self.spec
+        return (s.num_layers * 2 * self.block_size * s.num_kv_heads * s.head_dim
+                * torch.finfo(self.dtype).bits // 8)
+
+    def _blocks_for_budget(self, cfg: CacheConfig) -> int:
+        budget = cfg.kv_cache_memory
+        nbytes = int(budget * available_memory(self.device)) if budget <= 1 else int(budget)
+        n = nbytes // self.block_bytes
+        if n < 1:
+            raise ValueError(f"kv_cache_memory: {nbytes} bytes hold no block of {self.block_bytes} bytes")
+        return n
+
+    def _attention_backend(self, name: str) -> AttentionFn:
+        if name == "triton" or (name == "auto" and self.device.type == "cuda"):
+            from engine.layers.triton_attention import triton_paged_attention
+
+            def attn(q, k, v, cache, layer, meta, scale):  # type: ignore[no-untyped-def]
+                return triton_paged_attention(q, cache, layer, meta, scale)
+            return attn
+        return paged_attention
+
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        for seq in seqs:
+            start, end = seq.start, seq.start + seq.num_new_tokens
+            ids += seq.request.all_token_ids[start:end]
+            pos += range(start, end)
+            table = seq.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + seq.num_new_tokens)
+        max_nb = max(len(s.block_ids) for s in seqs)
+        tables = [s.block_ids + [0] * (max_nb - len(s.block_ids)) for s in seqs]
+        seq_lens = [s.start + s.num_new_tokens for s in seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_lens=[s.num_new_tokens for s in seqs], seq_lens_host=seq_lens,
+            num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1))
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(pos, dtype=torch.int64, device=dev), meta)
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Logits [S, V] float32 at the last query token of each sequence that samples."""
+        input_ids, positions, meta = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
+        ends = itertools.accumulate(meta.query_lens)
+        last = [end - 1 for end, s in zip(ends, seqs) if s.sample]
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        # Decodes first: the attention path batches them.
+        seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)
+        logits = self.forward_logits(seqs)
+        sampling = [s.request for s in seqs if s.sample]
+        if not sampling:
+            return {}
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.rng, r.eos_token_ids)
+                for r in sampling]
+        tokens = sample(logits, rows)
+        return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the paged KV cache.
+
+Tokens of all scheduled sequences are flattened into one [T] batch; attention
+metadata says which rows belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata, write_kv
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
+                        AttentionMetadata, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaSpec:
+        arch = cfg.get("model_type", "llama")
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"model: architecture {arch!r} is not supported (llama, mistral, qwen2)")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "qwen2" or cfg.get("attention_bias", False))
+
+
+def inv_freq(spec: LlamaSpec) -> torch.Tensor:
+    d = spec.head_dim
+    # float32 like the reference implementation, so positions rotate identically.
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = spec.rope_scaling
+    if s is None:
+        return inv.float()
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return (inv / s["factor"]).float()
+    if kind == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"model: rope scaling {kind!r} is not supported")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D/2].  Rotate-half (non-interleaved) form."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        h, d = spec.hidden_size, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
+        s, t = self.spec, x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: LlamaSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain attribute, not a buffer: it stays float32 when the weights change dtype.
+        self.inv_freq = inv_freq(spec)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face tensor names, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            with torch.no_grad():
+                own[name].copy_(value)
+            loaded.add(name)
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name]
+
+        put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        put("norm.weight", get("model.norm.weight"))
+        if not self.spec.tie_word_embeddings:
+            put("lm_head.weight", get("lm_head.weight"))
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            put(f"layers.{i}.qkv_proj.weight",
+                torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
+            if self.spec.qkv_bias:
+                put(f"layers.{i}.qkv_proj.bias",
+                    torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
+            put(f"layers.{i}.o_proj.weight", get(a + "o_proj.weight"))
+            put(f"layers.{i}.gate_up_proj.weight",
+                torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            put(f"layers.{i}.down_proj.weight", get(p + "mlp.down_proj.weight"))
+            put(f"layers.{i}.input_layernorm.weight", get(p + "input_layernorm.weight"))
+            put(f"layers.{i}.post_attention_layernorm.weight", get(p + "post_attention_layernorm.weight"))
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"model: weights missing for {sorted(missing)[:5]}")

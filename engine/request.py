@@ -1,0 +1,95 @@
+"""A request's state inside one engine: its tokens, progress and status.  Torch-free."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from collections.abc import Sequence
+
+from engine.hashing import BlockHash, hash_blocks
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # decode worker: blocks reserved, KV in flight
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything from here on is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 *, max_tokens: int, eos_token_ids: frozenset[int] = frozenset(),
+                 priority: int = 0, arrival_time: float | None = None,
+                 extra_keys: bytes = b"", rng: random.Random | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what max_model_len leaves
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.extra_keys = extra_keys
+        self.rng = rng if rng is not None else random.Random(params.seed)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens not recomputed; set when first scheduled
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend the chained hashes to every full block of the known tokens."""
+        done = len(self.block_hashes)
+        if (done + 1) * block_size <= self.num_tokens:
+            parent = self.block_hashes[-1] if done else None
+            self.block_hashes += hash_blocks(self.all_token_ids, block_size, self.extra_keys,
+                                             parent, start=done * block_size)
+        return self.block_hashes
+
+    def sort_key(self, by_priority: bool) -> tuple[float, float]:
+        return (self.priority if by_priority else 0, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,213 @@
+"""Continuous batching with chunked prefill, priorities and preemption.
+
+Two verbs: schedule() plans one step, update() takes the step's sampled
+tokens.  No I/O, no torch.  Each step serves the running requests first (one
+token each for decodes, the next chunk for partially prefilled prompts), then
+admits waiting requests into what is left of the token budget, so a long prompt
+delays running decodes by at most one chunk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+class SampledLike(Protocol):
+    token_id: int
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # tokens already in the cache before this step
+    num_new_tokens: int  # query tokens this step
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.by_priority = config.policy == "priority"
+        self.running: list[Request] = []
+        # heap of (sort key, seq no, request); aborted entries are skipped lazily
+        self._waiting: list[tuple[tuple[float, float], int, Request]] = []
+        self._seq = 0
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- intake -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+        need = self.kv.blocks_needed(req.num_prompt_tokens + req.max_tokens)
+        if req.num_prompt_tokens + req.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                f"({req.max_tokens}) exceeds max_model_len ({self.config.max_model_len})")
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt: needs {need} KV blocks, the cache has {self.kv.num_blocks}")
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def _push_waiting(self, req: Request) -> None:
+        self._seq += 1
+        heapq.heappush(self._waiting, (req.sort_key(self.by_priority), self._seq, req))
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][2].status.finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for *_, r in self._waiting if not r.status.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- planning -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.sort_key(self.by_priority))
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                # Victim: lowest priority, then latest arrival (the list's tail).
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(self._plan(req, num_new))
+                scheduled.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it can run either
+
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._peek_waiting()
+            if req is None:
+                return
+            hits, num_hit_tokens = [], 0
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                return  # head of line waits for blocks
+            heapq.heappop(self._waiting)
+            req.num_computed_tokens += num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(self._plan(req, num_new))
+            budget -= num_new
+
+    def _plan(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(req, start, num_new, self.kv.block_ids(req.request_id),
+                            sample=start + num_new == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: free the blocks, start over later (the prefix
+        cache usually keeps most of them)."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._push_waiting(req)
+
+    # -- results ------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, SampledLike]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens and finish
+        those that hit a stop condition.  Returns the requests with a new token."""
+        changed = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.status.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            tok = sampled.get(req.request_id) if seq.sample else None
+            if tok is None:
+                continue
+            req.append_output(tok.token_id)
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self.finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token_id in req.eos_token_ids and not p.ignore_eos:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request in any way; frees its blocks exactly once."""
+        if req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req

@@ -1,0 +1,119 @@
+"""The `splitserve` command.
+
+    splitserve up        start the stack (for now: a chat against the offline engine)
+    splitserve chat      chat with the model in the terminal
+    splitserve generate  complete one prompt
+    splitserve bench offline   offline throughput vs Hugging Face static batching
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=float, default=0.25,
+                   help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                scheduling_policy=args.scheduling_policy,
+                enable_prefix_caching=not args.no_prefix_caching,
+                num_threads=args.num_threads, seed=args.seed)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    history: list[dict[str, str]] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("splitserve chat: type a message, an empty line or Ctrl-D to quit.")
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        history.append({"role": "user", "content": line.strip()})
+        out = llm.chat(history, params)[0].outputs[0]
+        history.append({"role": "assistant", "content": out.text})
+        print(out.text.strip(), flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    print(llm.generate(args.prompt, params)[0].outputs[0].text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.offline import main as bench_offline
+
+    return bench_offline(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in (("up", cmd_chat, "start the stack (for now: chat with the offline engine)"),
+                            ("chat", cmd_chat, "chat with the model in the terminal"),
+                            ("generate", cmd_generate, "complete one prompt")):
+        p = sub.add_parser(name, help=help_)
+        add_engine_args(p)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--max-tokens", type=int, default=256)
+        if name == "generate":
+            p.add_argument("prompt")
+        p.set_defaults(fn=fn)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bsub.add_parser("offline", help="offline throughput vs Hugging Face static batching")
+    add_engine_args(off)
+    off.add_argument("--num-prompts", type=int, default=64)
+    off.add_argument("--min-prompt-len", type=int, default=64)
+    off.add_argument("--max-prompt-len", type=int, default=512)
+    off.add_argument("--output-len", type=int, default=128)
+    off.add_argument("--hf-batch-size", type=int, default=16)
+    off.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
+    off.add_argument("--json", action="store_true", help="also print one JSON line")
+    off.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ValueError as e:
+        print(f"splitserve: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The Triton paged-attention kernel (run by the Triton interpreter on CPUs)
+against the torch path and a dense softmax(QK^T)V written out per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import triton_attention
+from engine.layers.attention import AttentionMetadata, paged_attention, write_kv
+from engine.layers.triton_attention import triton_paged_attention
+
+pytest.importorskip("triton")  # conftest has chosen the interpreter on CPU-only machines
+
+NUM_LAYERS, LAYER = 2, 1  # write to a layer other than 0 so layer strides matter
+# (q_len, seq_len), decodes first.  Prefills with and without a cached prefix,
+# lengths off block boundaries, and a 1-token prefill chunk after a long prefix.
+MIXED_BATCH = [(1, 1), (1, 7), (1, 17), (1, 40),
+               (5, 5), (13, 13), (3, 20), (9, 41), (1, 12)]
+
+
+def _causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  ) -> torch.Tensor:
+    """q: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] -> [q_len, Hq, D].  The queries
+    are the last q_len positions."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len)
+    visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
+               num_kv_heads: int, head_dim: int, gen: torch.Generator,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          AttentionMetadata, torch.Tensor]:
+    """A cache holding every sequence's prefix, the step's new K/V written with
+    write_kv, shuffled block tables.  -> (q, k_new, v_new, kv_cache, meta, expected)."""
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay garbage
+    # Garbage everywhere, so a read outside a sequence's keys shows up.
+    kv_cache = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim,
+                           generator=gen)
+    block_ids = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    qs, k_news, v_news, slots, expected = [], [], [], [], []
+    for i, ((q_len, seq_len), nb) in enumerate(zip(seqs, blocks_per_seq)):
+        table = [block_ids.pop() for _ in range(nb)]
+        block_tables[i, :nb] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        q = torch.randn(q_len, num_q_heads, head_dim, generator=gen)
+        pos_slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                                  for p in range(seq_len)])
+        prefix = seq_len - q_len
+        write_kv(kv_cache, LAYER, k[:prefix], v[:prefix], pos_slots[:prefix])  # "cached" earlier
+        qs.append(q)
+        k_news.append(k[prefix:])
+        v_news.append(v[prefix:])
+        slots.append(pos_slots[prefix:])
+        expected.append(_causal_dense(q, k, v, scale))
+    k_new, v_new, slot_mapping = torch.cat(k_news), torch.cat(v_news), torch.cat(slots)
+    write_kv(kv_cache, LAYER, k_new, v_new, slot_mapping)
+    query_lens = [q_len for q_len, _ in seqs]
+    seq_lens = [seq_len for _, seq_len in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens_host=seq_lens,
+        num_decodes=next((i for i, q_len in enumerate(query_lens) if q_len > 1), len(seqs)),
+    )
+    return torch.cat(qs), k_new, v_new, kv_cache, meta, torch.cat(expected)
+
+
+def _check(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
+           num_kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(block_size * 1000 + num_q_heads * 10 + num_kv_heads)
+    q, k_new, v_new, kv_cache, meta, expected = _make_step(
+        seqs, block_size, num_q_heads, num_kv_heads, head_dim, gen)
+    scale = head_dim ** -0.5
+    torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale)
+    triton_out = triton_paged_attention(q, kv_cache, LAYER, meta, scale)
+    assert triton_out.shape == q.shape
+    assert (torch_out - expected).abs().max().item() < 1e-3
+    assert (triton_out - expected).abs().max().item() < 1e-3
+    assert (triton_out - torch_out).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(9, 3), (4, 1), (2, 2)])
+def test_mixed_batch_matches_torch_and_dense(block_size: int, num_q_heads: int,
+                                             num_kv_heads: int) -> None:
+    _check(MIXED_BATCH, block_size, num_q_heads, num_kv_heads, head_dim=64)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_head_dim_32(block_size: int) -> None:
+    _check(MIXED_BATCH, block_size, num_q_heads=9, num_kv_heads=3, head_dim=32)
+
+
+def test_decodes_only() -> None:
+    _check([(1, 3), (1, 16), (1, 29)], block_size=16, num_q_heads=9, num_kv_heads=3,
+           head_dim=64)
+
+
+def test_prefills_only() -> None:
+    _check([(7, 7), (20, 37)], block_size=8, num_q_heads=9, num_kv_heads=3, head_dim=64)
+
+
+def test_missing_triton_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_attention, "triton", None)
+    q, _, _, kv_cache, meta, _ = _make_step([(1, 4)], 8, 2, 1, 32, torch.Generator())
+    with pytest.raises(RuntimeError, match="needs the `triton` package"):
+        triton_paged_attention(q, kv_cache, LAYER, meta, 1.0)
