@@ -1,0 +1,276 @@
+"""Per-request sampling, vectorized over the batch.
+
+Order of processing (each step only runs when some row in the batch needs it):
+
+    raw logits ──▶ penalties (repetition, presence, frequency)
+               ──▶ logit_bias ──▶ min_tokens mask          (= greedy argmax here)
+               ──▶ temperature ──▶ top_k ──▶ top_p ──▶ min_p ──▶ softmax
+
+Penalties act on the model's own logits; logit_bias is the user's explicit
+adjustment on top of them; masks come last so nothing can undo them.
+Logprobs are always of the RAW logits (vLLM's default), not the processed ones.
+
+A sampled row draws exactly one u = rng.random() and picks its token by inverse
+CDF, so a seeded request gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: logits / 1e-6 already makes
+# softmax one-hot, and smaller ones overflow float32 into inf - inf = nan.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far, not the token being sampled
+    rng: random.Random  # seeded from params.seed, or from the engine's RNG
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float  # raw logprob of token_id
+    rank: int  # 1-based rank of token_id in the raw logits
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < SAMPLING_EPS
+
+
+# ---------------------------------------------------------------- logit processors
+
+
+def _pad(seqs: list[Sequence[int]], pad: int, device: torch.device) -> Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+def token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """counts: [B, V] int; ids outside [0, V) are ignored."""
+    ids = _pad(seqs, vocab_size, device)  # [B, L], pad = V
+    ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+    counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: Tensor,  # [B, V] float32
+    prompt_counts: Tensor,  # [B, V]
+    output_counts: Tensor,  # [B, V]
+    repetition: Tensor,  # [B] float32
+    presence: Tensor,  # [B]
+    frequency: Tensor,  # [B]
+) -> Tensor:
+    # Hugging Face: tokens seen in prompt or output move toward "less likely".
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    rep = repetition[:, None].expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    # OpenAI: over generated tokens only.
+    out = output_counts.to(logits.dtype)
+    return logits - presence[:, None] * (out > 0) - frequency[:, None] * out
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """temperature: [B], 1.0 for rows that should be left alone."""
+    return logits / temperature[:, None]
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    """top_k: [B] in [1, V] (V = off). Ties with the k-th logit are kept."""
+    kth = logits.topk(int(top_k.max()), dim=-1).values  # [B, max_k], descending
+    threshold = kth.gather(1, (top_k - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+    """top_p: [B]. Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum: [B, V]
+    # The top token always survives (mass_before == 0 < top_p); rows with
+    # top_p = 1 are left untouched so rounding in the cumsum can't drop tails.
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose prob < min_p * (max prob); min_p: [B]."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _sparse_fill(
+    logits: Tensor, entries: list[tuple[int, int, float]], *, add: bool
+) -> Tensor:
+    """Set (or add) logits[row, token] for (row, token, value) triples in range."""
+    vocab_size = logits.shape[1]
+    entries = [e for e in entries if 0 <= e[1] < vocab_size]
+    if not entries:
+        return logits
+    rows, toks, vals = zip(*entries, strict=True)
+    idx = (torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device))
+    values = torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(idx, values, accumulate=add)
+
+
+def _min_tokens_banned(row: SamplingRow) -> set[int]:
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return set()
+    banned = set(p.stop_token_ids or ())
+    if not p.ignore_eos:
+        banned |= row.eos_token_ids
+    return banned
+
+
+def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
+    """-> (argmax_logits, processed): both [B, V] float32.
+
+    argmax_logits: after penalties, logit_bias and min_tokens (what greedy rows
+    take the argmax of). processed: additionally temperature, top_k, top_p, min_p,
+    with dropped tokens at -inf; greedy rows are left at argmax_logits.
+    """
+    vocab_size = logits.shape[1]
+    device = logits.device
+    logits = logits.float().clone()
+
+    pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if pen_rows:
+        sub = [rows[i] for i in pen_rows]
+
+        def param(name: str) -> Tensor:
+            return torch.tensor([getattr(r.params, name) for r in sub], dtype=torch.float32, device=device)
+
+        idx = torch.tensor(pen_rows, device=device)
+        logits[idx] = apply_penalties(
+            logits[idx],
+            token_counts([r.prompt_token_ids for r in sub], vocab_size, device),
+            token_counts([r.output_token_ids for r in sub], vocab_size, device),
+            param("repetition_penalty"), param("presence_penalty"), param("frequency_penalty"),
+        )
+
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+    logits = _sparse_fill(logits, bias, add=True)
+    banned = [(i, t, float("-inf")) for i, r in enumerate(rows) for t in _min_tokens_banned(r)]
+    logits = _sparse_fill(logits, banned, add=False)
+    argmax_logits = logits
+
+    sampled = [not is_greedy(r.params) for r in rows]
+    if not any(sampled):
+        return argmax_logits, argmax_logits
+    # Greedy rows get neutral values: their processed logits are discarded below.
+    active = [r.params for r, s in zip(rows, sampled, strict=True) if s]
+    neutral = SamplingParams(temperature=1.0)
+    params = [r.params if s else neutral for r, s in zip(rows, sampled, strict=True)]
+
+    def per_row(values: Sequence[float], dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)  # [B]
+
+    if any(p.temperature != 1.0 for p in active):
+        logits = apply_temperature(logits, per_row([p.temperature for p in params]))
+    if any(0 < p.top_k < vocab_size for p in active):
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        logits = apply_top_k(logits, per_row(top_k, torch.long))
+    if any(p.top_p < 1.0 for p in active):
+        logits = apply_top_p(logits, per_row([p.top_p for p in params]))
+    if any(p.min_p > 0.0 for p in active):
+        logits = apply_min_p(logits, per_row([p.min_p for p in params]))
+
+    keep_greedy = torch.tensor([not s for s in sampled], device=device)[:, None]  # [B, 1]
+    return argmax_logits, torch.where(keep_greedy, argmax_logits, logits)
+
+
+# ---------------------------------------------------------------- distribution + draw
+
+
+def compute_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """The target distribution: [B, V] float32. Greedy rows are one-hot at the
+    argmax of the processed logits (first index on ties)."""
+    argmax_logits, processed = process_logits(logits, rows)
+    probs = processed.softmax(dim=-1)
+    greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        one_hot = torch.zeros_like(probs[idx])
+        one_hot.scatter_(1, argmax_logits[idx].argmax(dim=-1, keepdim=True), 1.0)
+        probs[idx] = one_hot
+    return probs
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """probs: [B, V] (any non-negative mass), u: [B] in [0, 1) -> token ids [B].
+
+    Picks the first token whose cumulative mass exceeds u * total. Such a token
+    has prob > 0 (its cdf is strictly above the previous one's), and clamping the
+    target below the total keeps u -> 1 from running past the last token.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:]  # [B, 1]
+    target = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
+
+
+def draw_uniforms(rows: Sequence[SamplingRow]) -> list[float]:
+    """One u per sampled row from its own RNG; greedy rows draw nothing (u = 0)."""
+    return [0.0 if is_greedy(r.params) else r.rng.random() for r in rows]
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def gather_logprobs(
+    raw_logits: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow]
+) -> list[tuple[float, int, dict[int, float]]]:
+    """-> per row (logprob of token, 1-based rank, top logprobs) from the raw logits."""
+    logprobs = raw_logits.float().log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [B]
+    num_top = max((r.params.logprobs or 0) for r in rows)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_vals: list[list[float]] = [[] for _ in rows]
+    if num_top > 0:
+        top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
+    out = []
+    for i, r in enumerate(rows):
+        k = r.params.logprobs or 0
+        out.append((chosen_list[i], rank_list[i], dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True))))
+    return out
+
+
+def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """logits: [B, V] -> one SampledToken per row."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+    if not rows:
+        return []
+    probs = compute_probs(logits, rows)  # [B, V]
+    u = torch.tensor(draw_uniforms(rows), dtype=torch.float64, device=logits.device)
+    token_ids = inverse_cdf(probs, u)  # greedy rows: one-hot with u = 0 -> the argmax
+    logprobs = gather_logprobs(logits, token_ids, rows)
+    return [
+        SampledToken(token_id=t, logprob=lp, rank=rank, top_logprobs=top)
+        for t, (lp, rank, top) in zip(token_ids.tolist(), logprobs, strict=True)
+    ]
