@@ -13,7 +13,9 @@ PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Le chat est assis sur le tapis et regarde",
+    # (Not "Le chat est assis sur le tapis et regarde": on it transformers' own
+    # generate and its full forward already disagree by 2.6e-3 at step 15.)
+    "Der schnelle braune Fuchs springt über den faulen Hund, und dann",
     "人工智能的发展历史可以追溯到",
     "Q: What is 17 times 3?\nA:",
     "SELECT name, COUNT(*) FROM users GROUP BY",
@@ -76,7 +78,8 @@ def check(llm: LLM, rec: LogitRecorder, outs, reference) -> None:  # type: ignor
         assert diff < 1e-3, f"max abs logit difference {diff}"
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# min_tokens masks EOS exactly as min_new_tokens does in generate.
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
 
 def test_batch_of_eight_then_prefix_hits(reference) -> None:  # type: ignore[no-untyped-def]
