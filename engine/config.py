@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Policy = Literal["fcfs", "priority"]
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default model
-    dtype: str = "bfloat16"
+    # auto: bfloat16 where it is fast (GPUs, CPUs with AMX or AVX512-BF16), else float32.
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when present, else cpu
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: all cores

@@ -22,7 +22,7 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
+    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: float = 0.25, num_blocks: int | None = None,
@@ -55,22 +55,24 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
         A prompt is a string or a list of token ids."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+        params = ([sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        if len(params) != len(batch):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"priority: {len(priority)} given for {len(batch)} prompts")
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         added: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
                 rid = str(next(self._ids))
                 ids = self.engine.tokenize(prompt)
                 ro = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
@@ -123,6 +125,6 @@ class LLM:
                 raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                                  tokenize=True)
-        if isinstance(ids, dict):  # newer tokenizers return a BatchEncoding
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

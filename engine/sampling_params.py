@@ -61,7 +61,8 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-               and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+               and self.top_k >= -1, "top_k",
+               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
@@ -76,10 +77,13 @@ class SamplingParams:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must be a mapping of token id to bias")
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
-                try:
+                # JSON object keys arrive as strings: accept "42" and 42, nothing else.
+                if isinstance(k, str) and k.strip().isdigit():
                     tok = int(k)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+                elif isinstance(k, int) and not isinstance(k, bool):
+                    tok = k
+                else:
+                    raise ValueError(f"logit_bias: key {k!r} is not a token id")
                 _check(tok >= 0, "logit_bias", f"token id {tok} is negative")
                 _check(_is_number(v) and -100 <= v <= 100, "logit_bias",
                        f"bias for token {tok} must be in [-100, 100], got {v!r}")
@@ -94,7 +98,8 @@ class SamplingParams:
                            for t in self.stop_token_ids),
                    "stop_token_ids", "must be a list of non-negative integers")
             self.stop_token_ids = list(self.stop_token_ids)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and self.min_tokens >= 0, "min_tokens",
                f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
@@ -102,6 +107,9 @@ class SamplingParams:
                    f"must be an integer >= 1, got {self.max_tokens!r}")
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "disable_speculation"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                    and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
@@ -122,7 +130,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Same threshold as the sampler: smaller temperatures overflow float32.
+        return self.temperature < 1e-5
 
     @property
     def needs_penalties(self) -> bool:

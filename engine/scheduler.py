@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.block_pool import Block
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -132,7 +133,8 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 return
-            hits, num_hit_tokens = [], 0
+            hits: list[Block] = []
+            num_hit_tokens = 0
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)

@@ -15,8 +15,10 @@ from typing import Any
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
     g.add_argument("--device", default="auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=0.25,

@@ -49,7 +49,7 @@ def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
     block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
     scale = head_dim ** -0.5
     qs, k_news, v_news, slots, expected = [], [], [], [], []
-    for i, ((q_len, seq_len), nb) in enumerate(zip(seqs, blocks_per_seq)):
+    for i, ((q_len, seq_len), nb) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
         table = [block_ids.pop() for _ in range(nb)]
         block_tables[i, :nb] = torch.tensor(table, dtype=torch.int32)
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
