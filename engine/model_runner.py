@@ -14,6 +14,7 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig
 from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.cpu_attention import load_cpu_kernel
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, inv_freq
 from engine.sampler import SampledToken, SamplingRow, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -96,6 +97,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.num_blocks, s.num_layers, 2, self.block_size,
                                     s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
+        if self.device.type == "cpu":
+            load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", model_dir.name, self.num_blocks,
                  self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 

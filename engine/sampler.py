@@ -16,6 +16,7 @@ CDF, so a seeded request gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,8 +43,8 @@ class SamplingRow:
 @dataclass
 class SampledToken:
     token_id: int
-    logprob: float  # raw logprob of token_id
-    rank: int  # 1-based rank of token_id in the raw logits
+    logprob: float  # raw logprob of token_id (nan when no request in the batch asked for logprobs)
+    rank: int  # 1-based rank of token_id in the raw logits (0 when not computed)
     top_logprobs: dict[int, float] = field(default_factory=dict)
 
 
@@ -266,9 +267,15 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     if not rows:
         return []
-    probs = compute_probs(logits, rows)  # [B, V]
-    u = torch.tensor(draw_uniforms(rows), dtype=torch.float64, device=logits.device)
-    token_ids = inverse_cdf(probs, u)  # greedy rows: one-hot with u = 0 -> the argmax
+    if all(is_greedy(r.params) for r in rows):
+        token_ids = process_logits(logits, rows)[0].argmax(dim=-1)  # first index on ties
+    else:
+        probs = compute_probs(logits, rows)  # [B, V]
+        u = torch.tensor(draw_uniforms(rows), dtype=torch.float64, device=logits.device)
+        token_ids = inverse_cdf(probs, u)  # greedy rows: one-hot with u = 0 -> the argmax
+    if all(r.params.logprobs is None for r in rows):
+        # Nobody asked: skip the [B, V] log_softmax.
+        return [SampledToken(token_id=t, logprob=math.nan, rank=0) for t in token_ids.tolist()]
     logprobs = gather_logprobs(logits, token_ids, rows)
     return [
         SampledToken(token_id=t, logprob=lp, rank=rank, top_logprobs=top)

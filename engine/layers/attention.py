@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.layers.cpu_attention import load_cpu_kernel
+
 
 @dataclass
 class AttentionMetadata:
@@ -47,24 +49,29 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
 
 def _gather(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table: [B, nb] -> K, V: [B, Hkv, nb * block_size, D]."""
+    """block_table: [B, nb] -> K, V: [B, Hkv, nb * block_size, D] (views of
+    two contiguous gathers; gathering K and V apart avoids a reshape copy)."""
     b, nb = block_table.shape
-    kv = kv_cache[block_table, layer]  # [B, nb, 2, bs, Hkv, D]
-    bs, hkv, d = kv.shape[3], kv.shape[4], kv.shape[5]
-    k = kv[:, :, 0].reshape(b, nb * bs, hkv, d).transpose(1, 2)
-    v = kv[:, :, 1].reshape(b, nb * bs, hkv, d).transpose(1, 2)
+    bs, hkv, d = kv_cache.shape[3:]
+    k = kv_cache[block_table, layer, 0].view(b, nb * bs, hkv, d).transpose(1, 2)
+    v = kv_cache[block_table, layer, 1].view(b, nb * bs, hkv, d).transpose(1, 2)
     return k, v
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, use_kernel: bool = True) -> torch.Tensor:
     """Torch path.  q: [T, Hq, D]; k_new, v_new: [T, Hkv, D] (already written
-    to the cache).  Returns [T, Hq, D]."""
+    to the cache).  Returns [T, Hq, D].  On the CPU, decodes go through the
+    compiled kernel when it built (reads the cache in place, no padding)."""
     out = torch.empty_like(q)
     block_size = kv_cache.shape[3]
     nd = meta.num_decodes
-    if nd:
+    kernel = load_cpu_kernel() if use_kernel and q.device.type == "cpu" and nd else None
+    if kernel is not None:
+        out[:nd] = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd],
+                                                 meta.seq_lens[:nd], scale)
+    elif nd:
         # All decodes in one padded SDPA call.
         max_len = max(meta.seq_lens_host[:nd])
         nb = (max_len + block_size - 1) // block_size

@@ -1,0 +1,34 @@
+"""Builds and loads the CPU decode-attention kernel (csrc/paged_attention_cpu.cpp)
+once per machine, cached under the splitserve cache dir.  If the build fails
+(no compiler, no ninja) the engine keeps the pure-torch path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+
+
+@functools.cache
+def load_cpu_kernel() -> ModuleType | None:
+    if os.environ.get("SPLITSERVE_NO_CPU_KERNEL"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from engine.models.loader import cache_dir
+
+        build_dir = cache_dir() / "kernels"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load(name="splitserve_paged_attention_cpu", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
+        log.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        return None
