@@ -31,12 +31,12 @@ def bench_splitserve(llm: Any, prompts: list[list[int]], output_len: int) -> dic
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
 
 
-def bench_hf(model_dir: Any, dtype: str, prompts: list[list[int]], output_len: int,
+def bench_hf(model_dir: Any, dtype: Any, prompts: list[list[int]], output_len: int,
              batch_size: int, pad_id: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     n = 0
     t = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
@@ -66,15 +66,18 @@ def main(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                            llm.engine.vocab_size)
     rows: dict[str, dict[str, float]] = {}
+    dtype = llm.engine.runner.dtype
     rows["splitserve"] = bench_splitserve(llm, prompts, args.output_len)
+    print(f"splitserve: {rows['splitserve']}", flush=True)
     if not args.skip_hf:
         model_dir = llm.engine.runner.model_dir
         del llm
         rows[f"hf-generate (static batch {args.hf_batch_size})"] = bench_hf(
-            model_dir, args.dtype, prompts, args.output_len, args.hf_batch_size, pad_id=0)
+            model_dir, dtype, prompts, args.output_len, args.hf_batch_size, pad_id=0)
     base = list(rows.values())[-1]["output_tok_s"]
     print(f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens x "
-          f"{args.output_len} new tokens, {args.dtype}, {kw['num_threads']} threads")
+          f"{args.output_len} new tokens, {str(dtype).removeprefix('torch.')}, "
+          f"{kw['num_threads']} threads")
     print(f"{'system':<34} {'seconds':>9} {'out tok/s':>10} {'vs HF':>7}")
     for name, r in rows.items():
         print(f"{name:<34} {r['seconds']:>9.1f} {r['output_tok_s']:>10.1f} "
