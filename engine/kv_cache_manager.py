@@ -51,11 +51,14 @@ class KVCacheManager:
         return hits, len(hits) * bs
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[Block] = ()) -> list[Block] | None:
+                       new_computed_blocks: Sequence[Block] = (), *,
+                       cache: bool = True) -> list[Block] | None:
         """Reserve blocks for num_new_tokens more tokens after the request's
         computed ones (and after new_computed_blocks, prefix hits taken now).
         Returns the newly allocated blocks, or None if the pool can't supply
-        them; then nothing changes."""
+        them; then nothing changes.  cache=False: the KV will arrive from
+        elsewhere, so nothing is registered in the prefix cache until it has
+        (no other request may hit a block still being received)."""
         blocks = self._blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
@@ -70,7 +73,8 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        self.cache_full_blocks(req, total)
+        if cache:
+            self.cache_full_blocks(req, total)
         return new_blocks
 
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:

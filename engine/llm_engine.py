@@ -57,9 +57,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, hold_blocks: bool = False) -> Request:
         """Validate and queue one request (params.n is handled by the caller).
-        Raises ValueError naming the field; the engine state is untouched then."""
+        Raises ValueError naming the field; the engine state is untouched then.
+        hold_blocks: keep the KV blocks after finishing until release()
+        (a prefill worker sends them first)."""
+        req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                arrival_time=arrival_time, hold_blocks=hold_blocks)
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        return req
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                     *, priority: int = 0, cache_salt: str | None = None,
+                     arrival_time: float | None = None, hold_blocks: bool = False) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         ids = self.tokenize(prompt)
@@ -73,12 +84,36 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
-        req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                      priority=priority, arrival_time=arrival_time, rng=rng,
-                      extra_keys=extra_keys(self.model_id, cache_salt))
-        self.scheduler.add_request(req)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        return Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                       priority=priority, arrival_time=arrival_time, rng=rng, hold_blocks=hold_blocks,
+                       extra_keys=extra_keys(self.model_id, cache_salt))
+
+    # -- the split --------------------------------------------------------------
+
+    def reserve_remote(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                       *, priority: int = 0, cache_salt: str | None = None) -> Request | None:
+        """Decode worker: reserve blocks for a prompt whose KV a prefill worker
+        will send.  None: no room now (nothing changed).  The request's block
+        table is `self.kv.block_ids(request_id)`; blocks from
+        num_computed_tokens // block_size on are the ones to fill."""
+        req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        if self.scheduler.reserve_remote(req) is None:
+            return None
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         return req
+
+    def remote_kv_landed(self, request_id: str, first_token: SampledToken) -> StepOutput:
+        req = self.scheduler.remote_kv_landed(request_id, first_token)
+        return self._output(req, first_token)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        self.scheduler.remote_kv_failed(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.scheduler.release(request_id)
 
     def abort(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)

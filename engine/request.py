@@ -43,7 +43,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  *, max_tokens: int, eos_token_ids: frozenset[int] = frozenset(),
                  priority: int = 0, arrival_time: float | None = None,
-                 extra_keys: bytes = b"", rng: random.Random | None = None) -> None:
+                 extra_keys: bytes = b"", rng: random.Random | None = None,
+                 hold_blocks: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -52,6 +53,8 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.extra_keys = extra_keys
+        # Prefill worker: keep the blocks after finishing, until they are sent.
+        self.hold_blocks = hold_blocks
         self.rng = rng if rng is not None else random.Random(params.seed)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -61,22 +61,71 @@ class Scheduler:
         self._waiting: list[tuple[tuple[float, float], int, Request]] = []
         self._seq = 0
         self.requests: dict[str, Request] = {}
+        # Prefill worker: finished requests whose blocks stay until their KV is sent.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- intake -------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        self._check_fits(req)
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def _check_fits(self, req: Request) -> None:
+        """Refuse up front what could never run, so nothing deadlocks later."""
+        if req.request_id in self.requests or req.request_id in self.held:
             raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
-        need = self.kv.blocks_needed(req.num_prompt_tokens + req.max_tokens)
         if req.num_prompt_tokens + req.max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({req.num_prompt_tokens} tokens) + max_tokens "
                 f"({req.max_tokens}) exceeds max_model_len ({self.config.max_model_len})")
+        need = self.kv.blocks_needed(req.num_prompt_tokens + req.max_tokens)
         if need > self.kv.num_blocks:
             raise ValueError(f"prompt: needs {need} KV blocks, the cache has {self.kv.num_blocks}")
+
+    # -- remote prefill (decode worker side) ----------------------------------
+
+    def reserve_remote(self, req: Request) -> list[int] | None:
+        """Reserve blocks for the whole prompt before any KV is sent
+        (invariants 2 and 3).  Local prefix hits are kept; the rest are
+        allocated but not cached until the KV has landed.  Returns the block
+        table, or None when the pool can't supply it now (nothing changes)."""
+        self._check_fits(req)
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits, cache=False) is None:
+            return None
+        req.num_computed_tokens = num_hit_tokens
+        req.num_cached_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
+        return self.kv.block_ids(req.request_id)
+
+    def remote_kv_landed(self, request_id: str, first_token: SampledLike) -> Request:
+        """Every prompt block is in place: register them, take the prefill
+        worker's first token and join the running batch."""
+        req = self.requests[request_id]
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KV, req
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_full_blocks(req, req.num_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if not req.params.greedy:
+            req.rng.random()  # the prefill worker drew token 1's u from the same seeded RNG
+        req.append_output(first_token.token_id)
+        status = self._check_stop(req, first_token.token_id)
+        if status is not None:
+            self.finish(req, status)
+        return req
+
+    def remote_kv_failed(self, request_id: str) -> Request:
+        """Recompute policy: prefill here instead.  The reserved blocks stay
+        with the request; whatever landed in them is overwritten."""
+        req = self.requests[request_id]
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KV, req
+        req.status = RequestStatus.WAITING
         self._push_waiting(req)
+        return req
 
     def _push_waiting(self, req: Request) -> None:
         self._seq += 1
@@ -199,17 +248,28 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request in any way; frees its blocks exactly once."""
+        """End a request in any way; frees its blocks exactly once (or holds
+        them for release() when the request asked to)."""
         if req.status.finished:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         req.status = status
-        self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if req.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+
+    def release(self, request_id: str) -> None:
+        """Free a held request's blocks (its KV has been sent, or never will be)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
             self.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.release(request_id)
         return req

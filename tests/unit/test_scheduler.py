@@ -223,3 +223,76 @@ def test_max_num_seqs() -> None:
     assert len(plan.seqs) == 2 and s.num_waiting == 3
     outs, _ = run(s)
     assert len(outs) == 5
+
+
+# -- the split: decode reserves, prefill holds ---------------------------------
+
+
+def test_reserve_remote_then_land() -> None:
+    s = make(num_blocks=16, block_size=4)
+    r = req("r", list(range(1, 11)), max_tokens=4)  # 10 tokens: 3 blocks
+    table = s.reserve_remote(r)
+    assert table is not None and len(table) == 3
+    assert s.kv.num_free_blocks == 13
+    # Blocks being received are not in the prefix cache: nobody can hit them.
+    other = req("o", list(range(1, 11)), max_tokens=1)
+    assert s.kv.get_computed_blocks(other) == ([], 0)
+    assert s.schedule().is_empty  # nothing runnable while the KV is in flight
+    s.remote_kv_landed("r", Tok(42))
+    assert r.output_token_ids == [42] and r.num_computed_tokens == 10
+    hits, n = s.kv.get_computed_blocks(other)
+    assert n == 8 and [b.block_id for b in hits] == table[:2]
+    plan = s.schedule()
+    assert [(q.start, q.num_new_tokens, q.sample) for q in plan.seqs] == [(10, 1, True)]
+    run(s)
+    assert s.kv.num_free_blocks == 16
+
+
+def test_reserve_remote_uses_local_prefix_and_refuses_over_budget() -> None:
+    s = make(num_blocks=6, block_size=4)
+    s.add_request(req("warm", list(range(1, 10)), max_tokens=1))
+    run(s)
+    r = req("r", list(range(1, 10)) + [50, 51, 52], max_tokens=2)  # 12 tokens, 2 blocks cached
+    table = s.reserve_remote(r)
+    assert table is not None and r.num_computed_tokens == 8 and r.num_cached_tokens == 8
+    big = req("big", list(range(100, 120)), max_tokens=2)  # needs 5 more blocks: only 3 free
+    free = s.kv.num_free_blocks
+    assert s.reserve_remote(big) is None
+    assert s.kv.num_free_blocks == free and "big" not in s.requests
+
+
+def test_remote_failure_recomputes_locally() -> None:
+    s = make(num_blocks=16, block_size=4)
+    r = req("r", list(range(1, 11)), max_tokens=3)
+    table = s.reserve_remote(r)
+    s.remote_kv_failed("r")
+    plan = s.schedule()
+    seq = plan.seqs[0]
+    assert (seq.start, seq.num_new_tokens, seq.sample) == (0, 10, True)
+    assert seq.block_ids == table  # the reserved blocks are reused, nothing over budget
+    ref = make(num_blocks=16, block_size=4)
+    ref.add_request(req("r", list(range(1, 11)), max_tokens=3))
+    s.update(plan, {"r": Tok(toy_next(r.all_token_ids))})
+    assert run(s)[0]["r"] == run(ref)[0]["r"]
+
+
+def test_abort_while_waiting_for_kv_frees_blocks() -> None:
+    s = make(num_blocks=16, block_size=4)
+    s.reserve_remote(req("r", list(range(1, 11))))
+    s.abort("r")
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished()
+
+
+def test_hold_blocks_until_released() -> None:
+    s = make(num_blocks=16, block_size=4)
+    r = Request("p", list(range(1, 11)), SamplingParams(max_tokens=1), max_tokens=1, hold_blocks=True)
+    s.add_request(r)
+    run(s)
+    assert r.status.finished and s.kv.block_ids("p") and s.kv.num_free_blocks == 13
+    s.release("p")
+    assert s.kv.num_free_blocks == 16
+    r2 = Request("q", list(range(1, 11)), SamplingParams(max_tokens=1), max_tokens=1, hold_blocks=True)
+    s.add_request(r2)
+    run(s)
+    s.abort("q")  # abort of a held request frees too
+    assert s.kv.num_free_blocks == 16 and not s.held
