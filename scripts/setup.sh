@@ -18,5 +18,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+"$PY" -m protos.codegen
 # Convert the default model once (GGUF -> safetensors under $SPLITSERVE_CACHE).
 "$PY" -c "from engine.models.loader import resolve_model; print('model:', resolve_model(None))"

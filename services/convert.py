@@ -1,0 +1,51 @@
+"""The one place where protobuf messages and engine dataclasses meet.  Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.outputs import PositionLogprobs
+from engine.sampling_params import SamplingParams
+from protos import pb
+
+_OPTIONAL = ("n", "temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
+             "skip_special_tokens")
+_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
+          "include_stop_str_in_output")
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        stop=list(p.stop_strings), stop_token_ids=list(p.stop_token_ids or ()),
+        logit_bias={int(k): float(v) for k, v in (p.logit_bias or {}).items()})
+    for name in _OPTIONAL:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field for out-of-range values."""
+    kw: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN}
+    for name in _OPTIONAL:
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    if msg.stop:
+        kw["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kw["logit_bias"] = dict(msg.logit_bias)
+    return SamplingParams(**kw)
+
+
+def logprobs_to_proto(token_id: int, pos: PositionLogprobs) -> pb.TokenLogprobs:
+    chosen = pos[token_id]
+    top = [pb.TopLogprob(token_id=t, logprob=lp.logprob, token=lp.decoded_token or "")
+           for t, lp in sorted(pos.items(), key=lambda kv: -kv[1].logprob)]
+    return pb.TokenLogprobs(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank or 0,
+                            token=chosen.decoded_token or "", top=top)
