@@ -36,6 +36,9 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self._rng = random.Random(config.model.seed)
+        # Monotonic counters for metrics and tests.
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     @property
@@ -127,6 +130,10 @@ class LLMEngine:
         if plan.is_empty:
             return []
         sampled = self.runner.execute(plan)
+        for seq in plan.seqs:
+            prompt_end = min(seq.start + seq.num_new_tokens, seq.request.num_prompt_tokens)
+            self.prompt_tokens_computed += max(0, prompt_end - seq.start)
+        self.generation_tokens += len(sampled)
         changed = self.scheduler.update(plan, sampled)
         return [self._output(req, sampled[req.request_id]) for req in changed]
 

@@ -1,7 +1,8 @@
 """The `splitserve` command.
 
-    splitserve up        start the stack (for now: a chat against the offline engine)
-    splitserve chat      chat with the model in the terminal
+    splitserve up        start the stack: frontend + prefill and decode workers
+    splitserve frontend | prefill | decode   run one service (what compose uses)
+    splitserve chat      chat with the model in the terminal (offline engine)
     splitserve generate  complete one prompt
     splitserve bench offline   offline throughput vs Hugging Face static batching
 """
@@ -80,8 +81,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, help_ in (("up", cmd_chat, "start the stack (for now: chat with the offline engine)"),
-                            ("chat", cmd_chat, "chat with the model in the terminal"),
+    from services.launcher import add_up_args, cmd_up
+
+    up = sub.add_parser("up", help="start the stack on this machine")
+    add_engine_args(up)
+    add_up_args(up)
+    up.set_defaults(fn=cmd_up)
+    for role in SERVICES:
+        sub.add_parser(role, help=f"run one {role} service (see `splitserve {role} --help`)",
+                       add_help=False)
+    for name, fn, help_ in (("chat", cmd_chat, "chat with the model in the terminal"),
                             ("generate", cmd_generate, "complete one prompt")):
         p = sub.add_parser(name, help=help_)
         add_engine_args(p)
@@ -106,7 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVICES = ("frontend", "prefill", "decode")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        import importlib
+
+        importlib.import_module(f"services.{argv[0]}.__main__").main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -1,0 +1,159 @@
+"""Decode worker: continuous batching over the paged cache; prompts are
+prefilled by a prefill worker whose KV lands straight in blocks reserved here
+first (DESIGN.md invariants 2 and 3), or locally when short."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.outputs import StepOutput
+from engine.sampler import SampledToken
+from engine.sampling_params import SamplingParams
+from protos import pb, pb_grpc
+from services.convert import logprobs_to_proto, sampling_from_proto
+from services.worker import WorkerRPCs, WorkerState, layout_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeStats:
+    remote_prefills: int = 0
+    local_prefills: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_recomputes: int = 0
+    kv_bytes_received: int = 0
+    waits_for_blocks: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)
+
+
+class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
+    def __init__(self, state: WorkerState, transport, *, local_prefill_threshold: int,  # type: ignore[no-untyped-def]
+                 failure_policy: str, transfer_timeout: float, reserve_timeout: float = 60.0) -> None:
+        self.state = state
+        self.transport = transport
+        self.threshold = local_prefill_threshold
+        self.failure_policy = failure_policy
+        self.transfer_timeout = transfer_timeout
+        self.reserve_timeout = reserve_timeout
+        self.stats = DecodeStats()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _prefill_stub(self, address: str) -> pb_grpc.PrefillStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return pb_grpc.PrefillStub(ch)
+
+    async def Generate(self, request: pb.WorkerGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerGenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        loop = self.state.engine
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = list(request.prompt_token_ids)
+        q = loop.open_stream(rid)
+        finished = False
+        remote = bool(request.prefill_address) and len(ids) >= self.threshold
+        try:
+            try:
+                if remote:
+                    first = await self._remote_prefill(rid, ids, params, request, context)
+                    if first is not None:
+                        q.put_nowait(first)
+                else:
+                    self.stats.local_prefills += 1
+                    await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
+                                                            cache_salt=request.cache_salt or None))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                    return
+                yield self._response(out, remote)
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            loop.close_stream(rid)
+            if not finished:  # client went away, deadline, or error: free everything
+                await self.transport.cancel(rid)
+                await loop.call(lambda e: e.abort(rid))
+
+    def _response(self, out: StepOutput, remote: bool) -> pb.WorkerGenerateResponse:
+        logprobs = [logprobs_to_proto(t, pos) for t, pos in
+                    zip(out.new_token_ids, out.new_logprobs or [], strict=False)]
+        return pb.WorkerGenerateResponse(
+            token_ids=out.new_token_ids, text=out.new_text, logprobs=logprobs,
+            finish_reason=out.finish_reason or "",
+            stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+            prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+            remote_prefill=remote)
+
+    async def _reserve(self, rid: str, ids: list[int], params: SamplingParams,
+                       request: pb.WorkerGenerateRequest) -> tuple[list[int], int]:
+        """Blocks first, KV second: wait (bounded) until the pool has room."""
+        deadline = time.monotonic() + self.reserve_timeout
+        loop = self.state.engine
+        while True:
+            def reserve(e):  # type: ignore[no-untyped-def]
+                req = e.reserve_remote(rid, ids, params, priority=request.priority,
+                                       cache_salt=request.cache_salt or None)
+                return None if req is None else (e.kv.block_ids(rid), req.num_computed_tokens)
+            got = await loop.call(reserve)
+            if got is not None:
+                return got
+            self.stats.waits_for_blocks += 1
+            if time.monotonic() > deadline:
+                raise TimeoutError("no KV blocks free for the prompt")
+            await asyncio.sleep(0.02)
+
+    async def _remote_prefill(self, rid: str, ids: list[int], params: SamplingParams,
+                              request: pb.WorkerGenerateRequest,
+                              context: grpc.aio.ServicerContext) -> StepOutput | None:
+        try:
+            block_ids, num_local = await self._reserve(rid, ids, params, request)
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        loop = self.state.engine
+        first_block = num_local // loop.engine.kv.block_size
+        landed = self.transport.expect(rid, block_ids[first_block:])
+        t0 = time.monotonic()
+        try:
+            resp = await self._prefill_stub(request.prefill_address).Prefill(
+                pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
+                                  priority=request.priority, cache_salt=request.cache_salt,
+                                  kv_address=self.transport.address, dst_block_ids=block_ids,
+                                  first_block=first_block, layout=layout_proto(loop.engine)),
+                timeout=self.transfer_timeout)
+            await asyncio.wait_for(landed, timeout=self.transfer_timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError, RuntimeError) as e:
+            await self.transport.cancel(rid)  # after this, nothing more is written to the blocks
+            self.stats.kv_transfer_failures += 1
+            log.warning("remote prefill of %s via %s failed: %s", rid, request.prefill_address, e)
+            if self.failure_policy == "fail":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"remote prefill failed: {e}")
+            self.stats.kv_transfer_recomputes += 1
+            await loop.call(lambda eng: eng.remote_kv_failed(rid))
+            return None
+        self.stats.remote_prefills += 1
+        self.stats.kv_bytes_received += resp.bytes_sent
+        self.stats.transfer_seconds.append(time.monotonic() - t0)
+        ft = resp.first_token
+        first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
+        return await loop.call(lambda eng: eng.remote_kv_landed(rid, first))
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()

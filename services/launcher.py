@@ -1,0 +1,163 @@
+"""`splitserve up`: the whole stack on one machine.  Starts N prefill and M
+decode workers, then the frontend, waits until all are healthy, prints the
+endpoints, and stops everything cleanly on Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed", "num_blocks")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="splitserve-"))
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        # New session: a Ctrl-C reaches us, and we stop the children in order.
+        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _wait_ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+            if ready.exists():
+                return ready.read_text().strip()
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} not ready after {timeout:.0f} s")
+
+    def start(self) -> dict[str, list[str]]:
+        a = self.args
+        n_workers = a.prefill + a.decode
+        threads = a.num_threads or max(1, (os.cpu_count() or 2) // n_workers)
+        common = [*engine_argv(a), "--num-threads", str(threads), "--host", a.host]
+        pending = []
+        for role, count in (("prefill", a.prefill), ("decode", a.decode)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                ready = self.tmp / f"{name}.addr"
+                argv = [f"services.{role}", *common, "--worker-id", name, "--ready-file", str(ready),
+                        "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
+                if role == "decode":
+                    argv += ["--local-prefill-threshold", str(a.local_prefill_threshold),
+                             "--kv-failure-policy", a.kv_failure_policy]
+                pending.append((name, self._spawn(name, argv), ready))
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for name, proc, ready in pending:
+            addrs[name.split("-")[0]].append(self._wait_ready(name, proc, ready, a.start_timeout))
+        argv = ["services.frontend", "--host", a.host, "--port", str(a.port), "--grpc-port", str(a.grpc_port),
+                "--decode", ",".join(addrs["decode"]),
+                "--local-prefill-threshold", str(a.local_prefill_threshold)]
+        if addrs["prefill"]:
+            argv += ["--prefill", ",".join(addrs["prefill"])]
+        if a.model:
+            argv += ["--model", a.model]
+        if a.redis_url:
+            argv += ["--redis-url", a.redis_url]
+        frontend = self._spawn("frontend", argv)
+        self._wait_http(frontend, f"http://{a.host}:{a.port}/health", a.start_timeout)
+        return addrs
+
+    def _wait_http(self, proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"frontend exited with {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"frontend not healthy at {url} after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        # Frontend first (stops taking requests), then the workers.
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wait(self) -> int:
+        """Until a signal arrives or a process dies."""
+        stop = {"sig": 0}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            stop["sig"] = signum
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stop["sig"]:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    print(f"splitserve: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("stack")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
+    g.add_argument("--grpc-port", type=int, default=50051)
+    g.add_argument("--redis-url", default=None)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    g.add_argument("--local-prefill-threshold", type=int, default=64)
+    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    g.add_argument("--start-timeout", type=float, default=300.0)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if args.decode < 1 or args.prefill < 0:
+        print("splitserve: --decode must be >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    stack = Stack(args)
+    try:
+        addrs = stack.start()
+        print(f"splitserve is up: REST http://{args.host}:{args.port}/v1  gRPC {args.host}:{args.grpc_port}\n"
+              f"  prefill workers: {', '.join(addrs['prefill']) or '-'}\n"
+              f"  decode workers:  {', '.join(addrs['decode'])}\n"
+              f"  cluster: http://{args.host}:{args.port}/cluster   metrics: /metrics   Ctrl-C stops",
+              flush=True)
+        return stack.wait()
+    except RuntimeError as e:
+        print(f"splitserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()

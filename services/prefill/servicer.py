@@ -1,0 +1,92 @@
+"""Prefill worker: computes prompts (batched into chunked prefill steps by the
+engine), samples token 1 with the request's params and seed, sends every block
+the decode worker lacks straight from the KV cache, then frees its hold."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import grpc
+
+from protos import pb, pb_grpc
+from services.convert import logprobs_to_proto, sampling_from_proto
+from services.worker import WorkerRPCs, WorkerState, layout_proto
+
+log = logging.getLogger(__name__)
+
+_LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+@dataclass
+class PrefillStats:
+    prefills: int = 0
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    transfer_failures: int = 0
+
+
+def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
+    diffs = [f"{f}: prefill has {getattr(mine, f)!r}, decode has {getattr(theirs, f)!r}"
+             for f in _LAYOUT_FIELDS if getattr(mine, f) != getattr(theirs, f)]
+    return "; ".join(diffs) or None
+
+
+class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
+    def __init__(self, state: WorkerState, transport) -> None:  # type: ignore[no-untyped-def]
+        self.state = state
+        self.transport = transport
+        self.stats = PrefillStats()
+
+    async def Prefill(self, request: pb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        loop = self.state.engine
+        mismatch = layout_mismatch(layout_proto(loop.engine), request.layout)
+        if mismatch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
+        try:
+            params = sampling_from_proto(request.sampling)
+            # Only token 1 is made here; min_tokens still bans EOS for it.
+            params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        ids = list(request.prompt_token_ids)
+        q = loop.open_stream(rid)
+        t0 = time.monotonic()
+        try:
+            try:
+                await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
+                                                        cache_salt=request.cache_salt or None,
+                                                        hold_blocks=True))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            out = await q.get()
+            if isinstance(out, BaseException):
+                await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+            prefill_s = time.monotonic() - t0
+            src = await loop.call(lambda e: e.held_block_ids(rid))
+            first = request.first_block
+            dst = list(request.dst_block_ids)
+            if len(src) != len(dst):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"dst_block_ids: {len(dst)} blocks for a prompt of {len(src)}")
+            t1 = time.monotonic()
+            try:
+                nbytes = await self.transport.send(request.kv_address, rid, src[first:], dst[first:])
+            except Exception as e:  # noqa: BLE001 - any transport failure is the decode side's to handle
+                self.stats.transfer_failures += 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            self.stats.prefills += 1
+            self.stats.blocks_sent += len(src) - first
+            self.stats.bytes_sent += nbytes
+            token = out.new_token_ids[0]
+            first_token = (logprobs_to_proto(token, out.new_logprobs[0]) if out.new_logprobs
+                           else pb.TokenLogprobs(token_id=token))
+            return pb.PrefillResponse(first_token=first_token, cached_tokens=out.num_cached_tokens,
+                                      bytes_sent=nbytes, blocks_sent=len(src) - first,
+                                      transfer_seconds=time.monotonic() - t1, prefill_seconds=prefill_s)
+        finally:
+            loop.close_stream(rid)
+            await loop.call(lambda e: e.abort(rid))  # frees held blocks (or the unfinished request)

@@ -1,0 +1,159 @@
+"""What prefill and decode workers share: flags, engine construction, the
+Info / WatchLoad / Abort RPCs, and serving with health and reflection."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from protos import pb
+from services.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    from services.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("worker")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--grpc-port", type=int, default=0, help="0: pick a free port")
+    g.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick a free port)")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV transfer")
+    g.add_argument("--ready-file", default=None, help="write 'grpc_address' here once serving")
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+                          num_threads=args.num_threads),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=not args.no_prefix_caching, num_blocks=args.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len or 1 << 30,
+                                  policy=args.scheduling_policy))
+    return LLMEngine(config)
+
+
+async def start_transport(engine: LLMEngine, args: argparse.Namespace, port: int):  # type: ignore[no-untyped-def]
+    """The UCX listener over this worker's KV cache memory."""
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.transport import KVTransport
+
+    kv = engine.runner.kv_cache
+    transport = KVTransport(kv, KVLayout.from_cache(kv, engine.model_id), host=args.host, port=port,
+                            timeout_s=args.kv_transfer_timeout)
+    await transport.start()
+    return transport
+
+
+def numeric_fields(stats: object) -> dict[str, float]:
+    """A stats dataclass's numeric fields as counters."""
+    return {k: float(v) for k, v in asdict(stats).items() if isinstance(v, (int, float))}  # type: ignore[call-overload]
+
+
+def layout_proto(engine: LLMEngine) -> pb.KVLayout:
+    s = engine.runner.spec
+    return pb.KVLayout(model_id=engine.model_id, dtype=str(engine.runner.dtype).removeprefix("torch."),
+                       block_size=engine.kv.block_size, num_layers=s.num_layers,
+                       num_kv_heads=s.num_kv_heads, head_dim=s.head_dim)
+
+
+@dataclass
+class WorkerState:
+    role: str
+    worker_id: str
+    engine: EngineLoop
+    grpc_address: str = ""
+    ucx_address: str = ""
+    metrics_url: str = ""
+    extra_counters: Callable[[], dict[str, float]] | None = None
+
+    def load(self) -> pb.LoadReport:
+        eng = self.engine.engine
+        sched = eng.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in list(sched.requests.values()))
+        counters = {"prompt_tokens_computed": float(eng.prompt_tokens_computed),
+                    "generation_tokens": float(eng.generation_tokens),
+                    "num_preemptions": float(sched.num_preemptions),
+                    "prefix_cache_queries": float(eng.kv.prefix_queries),
+                    "prefix_cache_hits": float(eng.kv.prefix_hits)}
+        if self.extra_counters is not None:
+            counters.update(self.extra_counters())
+        return pb.LoadReport(worker_id=self.worker_id, role=self.role, running=sched.num_running,
+                             waiting=sched.num_waiting, free_blocks=eng.kv.num_free_blocks,
+                             total_blocks=eng.kv.num_blocks, queued_prompt_tokens=queued,
+                             counters=counters)
+
+    def info(self) -> pb.WorkerInfo:
+        eng = self.engine.engine
+        return pb.WorkerInfo(worker_id=self.worker_id, role=self.role, pid=os.getpid(),
+                             grpc_address=self.grpc_address, ucx_address=self.ucx_address,
+                             metrics_url=self.metrics_url, model_id=eng.model_id,
+                             layout=layout_proto(eng), max_model_len=eng.max_model_len)
+
+
+class WorkerRPCs:
+    """Info, WatchLoad and Abort: the same on both roles."""
+
+    state: WorkerState
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
+        return self.state.info()
+
+    async def WatchLoad(self, request: pb.LoadRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadReport]:
+        interval = min(max(request.interval_seconds or 0.5, 0.05), 10.0)
+        while True:
+            yield self.state.load()
+            await asyncio.sleep(interval)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = await self.state.engine.call(lambda e: e.abort(request.request_id))
+        return pb.AbortResponse(found=found)
+
+
+async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: WorkerState,
+                service_names: list[str], on_stop: list) -> None:  # type: ignore[type-arg]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    state.grpc_address = f"{args.host}:{port}"
+    await server.start()
+    for name in [*service_names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s %s serving on %s (UCX %s)", state.role, state.worker_id, state.grpc_address,
+             state.ucx_address or "-")
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(state.grpc_address)
+        os.replace(tmp, args.ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for name in [*service_names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=5)
+    for fn in on_stop:
+        await fn()
+    state.engine.stop()

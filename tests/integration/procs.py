@@ -1,0 +1,57 @@
+"""Start real service processes on free loopback ports for tests, and stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_FLAGS = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "1024"]
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], tmp: Path) -> None:
+        self.name = name
+        self.ready = tmp / f"{name}.addr"
+        self.log = tmp / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
+                                      cwd=ROOT, env=env, stdout=open(self.log, "wb"),
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.address = ""
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.tail()}")
+            if self.ready.exists():
+                self.address = self.ready.read_text().strip()
+                return self.address
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        self.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start_worker(role: str, name: str, tmp: Path, *extra: str) -> Proc:
+    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp)
