@@ -24,6 +24,7 @@ from services.worker import (
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitserve prefill")
     add_worker_args(p, "prefill")
+    p.add_argument("--fault-send-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -34,7 +35,7 @@ async def amain(args: argparse.Namespace) -> None:
     transport = await start_transport(engine, args, port=0)
     state = WorkerState("prefill", args.worker_id or f"prefill-{id(engine) % 10000}", loop)
     server = grpc.aio.server()
-    servicer = PrefillServicer(state, transport)
+    servicer = PrefillServicer(state, transport, fault_send_delay=args.fault_send_delay)
     state.extra_counters = lambda: numeric_fields(servicer.stats)
     pb_grpc.add_PrefillServicer_to_server(servicer, server)
     await serve(server, args, state, ["splitserve.v1.Prefill"], [transport.close])

@@ -4,6 +4,7 @@ the decode worker lacks straight from the KV cache, then frees its hold."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -34,10 +35,13 @@ def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
 
 
 class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
-    def __init__(self, state: WorkerState, transport) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, state: WorkerState, transport,  # type: ignore[no-untyped-def]
+                 fault_send_delay: float = 0.0) -> None:
         self.state = state
         self.transport = transport
         self.stats = PrefillStats()
+        # Fault injection for tests (a hung sender is otherwise hard to cause).
+        self.fault_send_delay = fault_send_delay
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -73,6 +77,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"dst_block_ids: {len(dst)} blocks for a prompt of {len(src)}")
             t1 = time.monotonic()
+            if self.fault_send_delay:
+                await asyncio.sleep(self.fault_send_delay)
             try:
                 nbytes = await self.transport.send(request.kv_address, rid, src[first:], dst[first:])
             except Exception as e:  # noqa: BLE001 - any transport failure is the decode side's to handle
