@@ -157,3 +157,6 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
     for fn in on_stop:
         await fn()
     state.engine.stop()
+    from kvtransfer import shutdown_ucx
+
+    shutdown_ucx()  # ucxx's notifier thread would otherwise keep the process alive
