@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         import importlib
 
-        importlib.import_module(f"services.{argv[0]}.__main__").main(argv[1:])
-        return 0
+        return int(importlib.import_module(f"services.{argv[0]}.__main__").main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -19,9 +19,10 @@ class Proc:
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
-                                      cwd=ROOT, env=env, stdout=open(self.log, "wb"),
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
+                                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         self.address = ""
 
     def wait_ready(self, timeout: float = 180) -> str:

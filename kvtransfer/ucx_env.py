@@ -1,0 +1,53 @@
+"""UCX settings that must be in the environment before ucxx creates its context.
+
+ucxx reads them when it first initialises (the first listener or endpoint in
+the process); kvtransfer applies them right before importing ucxx.  Values
+already in the environment win, so an operator can still override any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+UCX_ENV_DEFAULTS: dict[str, str] = {
+    # Every transport UCX finds: on one host that is shared memory + CMA + TCP,
+    # which measured fastest; "sm" alone cannot connect, since the sockaddr
+    # connection manager that listeners use needs TCP.
+    "UCX_TLS": "all",
+    # Without Python futures, every awaited ucxx request polls the event loop with
+    # asyncio.sleep(0): one full core per process while merely waiting for a peer.
+    # With them a notifier thread completes asyncio futures (see shutdown_ucx).
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+    # A UCX thread progresses the worker, so transfers advance while the event loop
+    # runs gRPC or engine steps, and a stalled loop does not stall the wire.
+    "UCXPY_PROGRESS_MODE": "thread",
+    # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: a warning per start.
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+def apply_ucx_env_defaults() -> None:
+    # The UCX context (UCX_*) and ucxx's application context (UCXPY_*) read these
+    # on first use, not at import, so this still works after `import ucxx`.
+    for key, value in UCX_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread; call once before the process exits.
+
+    The thread is not a daemon: a process that skips this hangs at exit
+    after its last KVTransport is closed.
+    """
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is None:
+        return
+    # The thread checks for shutdown once a second; waking it through the worker
+    # (private in ucxx 0.52, hence the care) makes this instant instead.
+    ctx = getattr(getattr(ucxx, "core", None), "_ctx", None)
+    if ctx is not None:
+        with contextlib.suppress(Exception):
+            ctx.worker.stop_request_notifier_thread()
+    ucxx.stop_notifier_thread()

@@ -1,0 +1,105 @@
+"""One process, one asyncio loop: uvicorn (REST) and grpc.aio (Frontend.Generate),
+the workers' load streams, and a graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from engine.models.loader import model_name, resolve_model
+from services.frontend.config import FrontendConfig
+from services.frontend.core import Frontend
+from services.frontend.grpc_service import build_grpc_server, set_serving
+from services.frontend.rest import build_app
+from services.frontend.tokenizer import Tokenizer
+from services.frontend.workers import WorkerPool
+
+log = logging.getLogger("splitserve.frontend")
+_HEALTH_POLL_S = 1.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: serve() owns SIGTERM/SIGINT so that
+    gRPC and the worker streams stop in the same graceful sequence."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (main thread) or until `stop` is set."""
+    stop = stop or asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    # Resolving the default model converts its GGUF once (the workers do the same);
+    # after that it is a directory lookup.
+    model_dir = await asyncio.to_thread(resolve_model, config.model)
+    tokenizer = Tokenizer(model_dir)
+    name = config.served_model_name or model_name(config.model)
+    pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model))
+    try:
+        starting = asyncio.create_task(pool.start(config.worker_wait_seconds))
+        await asyncio.wait({starting, asyncio.create_task(stop.wait())},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            starting.cancel()
+            return
+        fe = Frontend(config, tokenizer, pool, name)
+        await _serve(fe, config, stop)
+    finally:
+        await pool.close()
+
+
+async def _serve(fe: Frontend, config: FrontendConfig, stop: asyncio.Event) -> None:
+    grpc_server, health = build_grpc_server(fe, f"{config.host}:{config.grpc_port}")
+    await grpc_server.start()
+    uv = _Uvicorn(uvicorn.Config(build_app(fe), host=config.host, port=config.port, lifespan="off",
+                                 log_level=config.log_level, access_log=config.log_level == "debug",
+                                 # past the drain below, so that its 503s still go out
+                                 timeout_graceful_shutdown=int(config.shutdown_grace_seconds) + 2))
+    rest = asyncio.create_task(uv.serve(), name="uvicorn")
+    health_task = asyncio.create_task(_publish_health(fe, health), name="grpc health")
+    log.info("frontend for %s: REST http://%s:%d, gRPC %s:%d, %d decode + %d prefill workers",
+             fe.model_name, config.host, config.port, config.host, config.grpc_port,
+             len(fe.pool.decodes), len(fe.pool.prefills))
+    try:
+        await asyncio.wait({rest, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        log.info("frontend stopping (grace %.1f s)", config.shutdown_grace_seconds)
+        health_task.cancel()
+        uv.should_exit = True  # stops accepting; open connections finish
+        grpc_stopped = asyncio.create_task(grpc_server.stop(config.shutdown_grace_seconds + 2))
+        await fe.drain(config.shutdown_grace_seconds)
+        await asyncio.gather(grpc_stopped, rest, return_exceptions=True)
+    if not uv.started:
+        raise SystemExit(f"frontend: REST server could not start on {config.host}:{config.port}")
+
+
+async def _publish_health(fe: Frontend, health: object) -> None:
+    serving: bool | None = None
+    while True:
+        ok, _ = fe.health()
+        if ok != serving:
+            serving = ok
+            await set_serving(health, ok)  # type: ignore[arg-type]
+        await asyncio.sleep(_HEALTH_POLL_S)
+
+
+def run(config: FrontendConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        return 130
+    return 0

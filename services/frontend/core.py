@@ -1,0 +1,65 @@
+"""The frontend's parts wired together; the REST and gRPC layers both call this."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from services.frontend.config import FrontendConfig
+from services.frontend.dispatch import Dispatcher
+from services.frontend.errors import APIError
+from services.frontend.metrics import Metrics
+from services.frontend.prepare import Plan, Preparer
+from services.frontend.router import LoadRouter, Router
+from services.frontend.runner import RequestRun
+from services.frontend.tokenizer import Tokenizer
+from services.frontend.workers import WorkerPool
+
+
+class Frontend:
+    def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, pool: WorkerPool, model_name: str,
+                 router: Router | None = None) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.pool = pool
+        self.metrics = Metrics(pool)
+        self.dispatcher = Dispatcher(pool, router or LoadRouter(config.local_prefill_threshold),
+                                     self.metrics)
+        self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
+        self.created = int(time.time())
+        self.active: set[RequestRun] = set()
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def start(self, plan: Plan, endpoint: str, arrival: float) -> RequestRun:
+        return RequestRun(plan, self.dispatcher, self.metrics, endpoint, arrival, self.active)
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Shutdown: give requests in flight `grace_seconds` to finish, then end the
+        rest with a 503 (UNAVAILABLE) so that their clients get an answer."""
+        deadline = time.monotonic() + grace_seconds
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for run in list(self.active):
+            run.fail(APIError(503, "the frontend is shutting down; retry", None, "shutting_down"))
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        decodes, prefills = self.pool.healthy("decode"), self.pool.healthy("prefill")
+        ok = bool(decodes) and self.pool.max_model_len() is not None
+        return ok, {"status": "ok" if ok else "unavailable", "model": self.model_name,
+                    "healthy_decode_workers": len(decodes), "decode_workers": len(self.pool.decodes),
+                    "healthy_prefill_workers": len(prefills), "prefill_workers": len(self.pool.prefills)}
+
+    def models(self) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": self.created,
+                                "owned_by": "splitserve", "root": self.model_name, "parent": None}
+        if (max_len := self.pool.max_model_len()) is not None:
+            card["max_model_len"] = max_len
+        return {"object": "list", "data": [card]}
+
+    def cluster(self) -> dict[str, Any]:
+        return {"model": self.model_name, "workers": [w.describe() for w in self.pool.all]}

@@ -1,0 +1,130 @@
+"""OpenAI response bodies and SSE chunks, as pure functions of what the workers sent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protos import pb
+from services.frontend.results import Choice, Usage
+
+# JSON has no -inf; a token the model cannot produce reports this (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields every response and chunk of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+
+    def wrap(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def _lp(x: float) -> float:
+    return max(float(x), MIN_LOGPROB)
+
+
+def _alternatives(pos: pb.TokenLogprobs, k: int) -> list[pb.TopLogprob]:
+    # `top` is sorted, best first, and may end with the chosen token when it is not in the top k.
+    return list(pos.top[:k])
+
+
+# -- /v1/completions ----------------------------------------------------------------
+
+
+def completion_logprobs(positions: Sequence[pb.TokenLogprobs], k: int, text_offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for pos in positions:
+        tokens.append(pos.token)
+        token_logprobs.append(_lp(pos.logprob))
+        alts = {t.token: _lp(t.logprob) for t in _alternatives(pos, k)}
+        alts.setdefault(pos.token, _lp(pos.logprob))
+        top.append(alts)
+        offsets.append(offset)
+        offset += len(pos.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def completion_choice(c: Choice, logprobs: int | None) -> dict[str, Any]:
+    return {"index": c.index, "text": c.text,
+            "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, logprobs, 0),
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def completion_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
+                        logprobs: int | None) -> dict[str, Any]:
+    return env.wrap("text_completion", [completion_choice(c, logprobs) for c in choices],
+                    usage=usage.to_openai(), system_fingerprint=None)
+
+
+def completion_chunk(env: Envelope, index: int, msg: pb.WorkerGenerateResponse, logprobs: int | None,
+                     text_offset: int, include_usage: bool) -> dict[str, Any]:
+    choice = {"index": index, "text": msg.text,
+              "logprobs": None if logprobs is None else completion_logprobs(msg.logprobs, logprobs,
+                                                                            text_offset),
+              "finish_reason": msg.finish_reason or None, "stop_reason": msg.stop_reason or None}
+    return env.wrap("text_completion", [choice], **({"usage": None} if include_usage else {}))
+
+
+# -- /v1/chat/completions -----------------------------------------------------------
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(positions: Sequence[pb.TokenLogprobs], k: int) -> dict[str, Any]:
+    content = []
+    for pos in positions:
+        entry = _token_entry(pos.token, pos.logprob)
+        entry["top_logprobs"] = [_token_entry(t.token, t.logprob) for t in _alternatives(pos, k)]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def chat_choice(c: Choice, logprobs: int | None) -> dict[str, Any]:
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": None if logprobs is None else chat_logprobs(c.logprobs, logprobs),
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def chat_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
+                  logprobs: int | None) -> dict[str, Any]:
+    return env.wrap("chat.completion", [chat_choice(c, logprobs) for c in choices],
+                    usage=usage.to_openai(), system_fingerprint=None)
+
+
+def chat_role_chunk(env: Envelope, index: int, include_usage: bool) -> dict[str, Any]:
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}
+    return env.wrap("chat.completion.chunk", [choice], **({"usage": None} if include_usage else {}))
+
+
+def chat_chunk(env: Envelope, index: int, msg: pb.WorkerGenerateResponse, logprobs: int | None,
+               include_usage: bool) -> dict[str, Any]:
+    delta = {"content": msg.text} if msg.text or not msg.finish_reason else {}
+    choice = {"index": index, "delta": delta,
+              "logprobs": None if logprobs is None else chat_logprobs(msg.logprobs, logprobs),
+              "finish_reason": msg.finish_reason or None, "stop_reason": msg.stop_reason or None}
+    return env.wrap("chat.completion.chunk", [choice], **({"usage": None} if include_usage else {}))
+
+
+def usage_chunk(env: Envelope, obj: str, usage: Usage) -> dict[str, Any]:
+    return env.wrap(obj, [], usage=usage.to_openai())

@@ -1,0 +1,259 @@
+"""Validated requests: OpenAI bodies and gRPC GenerateRequests -> a Plan ready to route.
+
+Everything a worker would refuse is refused here first, with the field's name:
+the model, the prompt (empty, token ids out of the vocabulary, longer than the
+context), sampling values, n, and max_tokens against the context left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from protos import pb
+from services.convert import sampling_from_proto
+from services.frontend.errors import APIError, bad_request, from_value_error, model_not_found
+from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from services.frontend.tokenizer import ChatTemplateError, Tokenizer
+
+# Request fields passed to SamplingParams as they are, when set.
+_SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                    "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    token_ids: list[int]
+    params: SamplingParams  # n = choices for this prompt; max_tokens resolved against the context
+
+
+@dataclass(frozen=True)
+class Plan:
+    request_id: str
+    prompts: list[PromptPlan]
+    priority: int = 0
+    cache_salt: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # alternatives to report per token; None: no logprobs
+
+    @property
+    def n(self) -> int:
+        return self.prompts[0].params.n
+
+
+class Preparer:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, max_n: int,
+                 max_model_len: Callable[[], int | None]) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_n = max_n
+        self._max_model_len = max_model_len
+
+    # -- entry points ------------------------------------------------------------
+
+    def completion(self, req: CompletionRequest, request_id: str) -> Plan:
+        self._check_common(req)
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+        prompts = self.completion_prompts(req.prompt)
+        base = self._params(req, logprobs=req.logprobs, max_tokens=req.max_tokens)
+        explicit = "max_tokens" if req.max_tokens is not None else None
+        return self._plan(request_id, req, prompts, base, explicit, COMPLETION_DEFAULT_MAX_TOKENS,
+                          "prompt", req.logprobs)
+
+    def chat(self, req: ChatCompletionRequest, request_id: str) -> Plan:
+        self._check_common(req)
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported", "tool_choice")
+        fmt = req.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
+        top = req.top_logprobs
+        if top is not None and not (0 <= top <= MAX_LOGPROBS):
+            raise bad_request(f"must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top and not req.logprobs:
+            raise bad_request("needs logprobs set to true", "top_logprobs")
+        logprobs = (top or 0) if req.logprobs else None
+        messages = chat_messages(req.messages)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise from_value_error(e, "messages") from None
+        max_tokens: int | None
+        explicit: str | None
+        if req.max_completion_tokens is not None:
+            max_tokens, explicit = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, explicit = req.max_tokens, "max_tokens" if req.max_tokens is not None else None
+        base = self._params(req, logprobs=logprobs, max_tokens=max_tokens, max_tokens_field=explicit)
+        return self._plan(request_id, req, [ids], base, explicit, None, "messages", logprobs)
+
+    def grpc(self, req: pb.GenerateRequest, request_id: str) -> Plan:
+        self.check_model(req.model)
+        which = req.WhichOneof("prompt")
+        if which == "text":
+            prompts = [self._encode(req.text, "prompt.text")]
+        elif which == "token_ids":
+            prompts = [self._check_ids(list(req.token_ids.ids), "prompt.token_ids")]
+        else:
+            raise bad_request("set text or token_ids", "prompt")
+        try:
+            base = sampling_from_proto(req.sampling)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        self._check_n(base.n)
+        explicit = "max_tokens" if req.sampling.HasField("max_tokens") else None
+        plan = Plan(request_id, [], req.priority, req.cache_salt, stream=True, include_usage=True,
+                    logprobs=base.logprobs)
+        return self._resolve(plan, prompts, base, explicit, base.max_tokens, "prompt")
+
+    # -- pieces ------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise model_not_found(model)
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+        if isinstance(prompt, str):
+            return [self._encode(prompt, "prompt")]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [self._encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            if all(_is_int(t) for t in prompt):
+                return [self._check_ids(prompt, "prompt")]
+            if all(isinstance(p, list) for p in prompt):
+                return [self._check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if isinstance(prompt, list) and not prompt:
+            raise bad_request("must not be empty", "prompt")
+        raise bad_request("must be a string, a list of strings, a list of token ids or a list of "
+                          "lists of token ids", "prompt")
+
+    def _check_common(self, req: _SamplingFields) -> None:
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("only allowed when stream is true", "stream_options")
+        if req.cache_salt is not None and not req.cache_salt:
+            raise bad_request("must be a non-empty string", "cache_salt")
+
+    def _check_n(self, n: int) -> None:
+        if not 1 <= n <= self.max_n:
+            raise bad_request(f"must be in [1, {self.max_n}], got {n}", "n")
+
+    def _params(self, req: _SamplingFields, *, logprobs: int | None, max_tokens: int | None,
+                max_tokens_field: str | None = "max_tokens") -> SamplingParams:
+        kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+        self._check_n(req.n)
+        try:
+            return SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens)
+        except ValueError as e:
+            err = from_value_error(e)
+            if err.param == "max_tokens" and max_tokens_field and max_tokens_field != "max_tokens":
+                err = from_value_error(ValueError(str(e).replace("max_tokens", max_tokens_field, 1)))
+            raise err from None
+
+    def _plan(self, request_id: str, req: _SamplingFields, prompts: list[list[int]],
+              base: SamplingParams, explicit: str | None, default_max: int | None,
+              prompt_field: str, logprobs: int | None) -> Plan:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        plan = Plan(request_id, [], req.priority, req.cache_salt or "", req.stream, include_usage, logprobs)
+        return self._resolve(plan, prompts, base, explicit, default_max, prompt_field)
+
+    def _resolve(self, plan: Plan, prompts: list[list[int]], base: SamplingParams, explicit: str | None,
+                 default_max: int | None, prompt_field: str) -> Plan:
+        """Check each prompt and max_tokens against the context; fill in max_tokens."""
+        max_len = self._max_model_len()
+        if max_len is None:
+            raise APIError(503, "no worker has reported its max_model_len yet; try again later", None,
+                           "no_healthy_worker")
+        if base.logit_bias:
+            bad = [t for t in base.logit_bias if t >= self.tokenizer.vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is not in [0, {self.tokenizer.vocab_size})",
+                                  "logit_bias")
+        resolved = []
+        for i, ids in enumerate(prompts):
+            room = max_len - len(ids)
+            where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
+            if room < 1:
+                raise bad_request(f"{len(ids)} tokens, but max_model_len is {max_len} (room for at least "
+                                  "one generated token is needed)", where, "context_length_exceeded")
+            if explicit is not None:
+                assert base.max_tokens is not None
+                if len(ids) + base.max_tokens > max_len:
+                    raise bad_request(
+                        f"{base.max_tokens} + the prompt's {len(ids)} tokens is over max_model_len "
+                        f"({max_len}); at most {room} more tokens fit", explicit, "context_length_exceeded")
+                params = base
+            else:
+                params = dataclasses.replace(base, max_tokens=min(default_max or room, room))
+            resolved.append(PromptPlan(ids, params))
+        return dataclasses.replace(plan, prompts=resolved)
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        if not text:
+            raise bad_request("must not be empty", field)
+        return self.tokenizer.encode(text)
+
+    def _check_ids(self, ids: list[Any], field: str) -> list[int]:
+        if not ids:
+            raise bad_request("must not be empty", field)
+        vocab = self.tokenizer.vocab_size
+        for j, t in enumerate(ids):
+            if not _is_int(t) or not 0 <= t < vocab:
+                raise bad_request(f"token id {t!r} at position {j} is not in [0, {vocab})", field)
+        return list(ids)
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages -> the {"role", "content": str} dicts chat templates expect."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("must be a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request("must be an object with role and content", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content_text(m.get("content"), role, f"{where}.content")}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _content_text(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            is_text = isinstance(part, dict) and part.get("type") == "text"
+            if not is_text or not isinstance(part.get("text"), str):
+                raise bad_request("only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                                  f"{where}[{j}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request("must be a string or a list of text parts", where)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

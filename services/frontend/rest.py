@@ -1,0 +1,206 @@
+"""OpenAI-compatible REST: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
+and /health, /metrics, /cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from services.frontend import openai_format as fmt
+from services.frontend.core import Frontend
+from services.frontend.dispatch import Event
+from services.frontend.errors import APIError
+from services.frontend.prepare import Plan
+from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.frontend.results import Choice
+from services.frontend.runner import CLIENT_CLOSED, RequestRun
+
+log = logging.getLogger("splitserve.frontend.rest")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    pass
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.to_json(), status_code=e.status)
+
+
+def build_app(fe: Frontend) -> FastAPI:
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(e).__name__}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(fe, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(fe, request, "chat.completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return fe.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, body = fe.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(fe.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/cluster")
+    async def cluster() -> dict[str, Any]:
+        return fe.cluster()
+
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"body: {length} bytes is over the limit of {limit}", "body", "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"body: over the limit of {limit} bytes", "body", "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first (then cancel it: ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
+    arrival = time.monotonic()
+    chat = endpoint == "chat.completions"
+    request_id = fe.new_request_id("chatcmpl" if chat else "cmpl")
+    try:
+        body = await read_body(request, fe.config.max_body_bytes)
+        if chat:
+            plan = fe.preparer.chat(parse_body(body, ChatCompletionRequest), request_id)
+        else:
+            plan = fe.preparer.completion(parse_body(body, CompletionRequest), request_id)
+        fe.dispatcher.check_available()
+    except APIError as e:
+        fe.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return error_response(e)
+    run = fe.start(plan, endpoint, arrival)
+    env = fmt.Envelope(request_id, int(time.time()), fe.model_name)
+    if plan.stream:
+        return await _stream(request, run, env, chat)
+    status = "500"
+    try:
+        results = await cancel_on_disconnect(request, run.collect())
+        status = "200"
+    except ClientGone:
+        status = CLIENT_CLOSED
+        return Response(status_code=499)
+    except APIError as e:
+        status = str(e.status)
+        return error_response(e)
+    finally:
+        run.close(status)
+    build = fmt.chat_response if chat else fmt.completion_response
+    return JSONResponse(build(env, results.choices, results.usage(), plan.logprobs))
+
+
+async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool) -> Response:
+    """SSE.  The first event is awaited before answering, so a request that fails
+    before any token still gets its error status instead of a 200 stream."""
+    events = run.events()
+    try:
+        first = await cancel_on_disconnect(request, events.__anext__())
+    except (ClientGone, StopAsyncIteration):
+        run.close(CLIENT_CLOSED)
+        return Response(status_code=499)
+    except APIError as e:
+        run.close(str(e.status))
+        return error_response(e)
+    except BaseException:
+        run.close("500")
+        raise
+    plan = run.plan
+
+    async def body() -> AsyncIterator[str]:
+        status = CLIENT_CLOSED  # unless the stream completes or fails on the server
+        try:
+            if chat:
+                for c in run.results.choices:
+                    yield fmt.sse(fmt.chat_role_chunk(env, c.index, plan.include_usage))
+            chunk = _chunk(env, plan, *first, chat)
+            if chunk:
+                yield chunk
+            async for choice, event in events:
+                chunk = _chunk(env, plan, choice, event, chat)
+                if chunk:
+                    yield chunk
+            if plan.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield fmt.sse(fmt.usage_chunk(env, obj, run.results.usage()))
+            status = "200"
+            yield fmt.SSE_DONE
+        except APIError as e:
+            status = str(e.status)
+            yield fmt.sse(e.to_json())
+            yield fmt.SSE_DONE
+        finally:
+            run.close(status)
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": env.id})
+
+
+def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool) -> str | None:
+    msg = event.msg
+    if chat:
+        if not (msg.text or msg.finish_reason or msg.logprobs):
+            return None  # a token whose text is held back (stop-string prefix, partial UTF-8)
+        return fmt.sse(fmt.chat_chunk(env, event.index, msg, plan.logprobs, plan.include_usage))
+    offset = len(choice.text) - len(msg.text)
+    return fmt.sse(fmt.completion_chunk(env, event.index, msg, plan.logprobs, offset, plan.include_usage))

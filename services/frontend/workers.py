@@ -1,0 +1,166 @@
+"""The workers this frontend routes to: one gRPC channel each, Info, and a
+WatchLoad stream that keeps their load current and says whether they are up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import grpc
+
+from protos import pb, pb_grpc
+from services.frontend.router import WorkerLoad
+
+Role = Literal["decode", "prefill"]
+log = logging.getLogger("splitserve.frontend.workers")
+
+_CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20)]
+_INFO_TIMEOUT_S = 2.0
+_MAX_BACKOFF_S = 2.0
+
+
+class Worker:
+    """One worker: its channel, what it said about itself, its last load report."""
+
+    def __init__(self, address: str, role: Role, interval: float, model_id: str | None = None) -> None:
+        self.address = address
+        self.role = role
+        self.interval = interval
+        self.model_id = model_id  # what this frontend tokenizes for
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub: Any = (pb_grpc.DecodeStub(self.channel) if role == "decode"
+                          else pb_grpc.PrefillStub(self.channel))
+        self.info: pb.WorkerInfo | None = None
+        self.load: pb.LoadReport | None = None
+        self.last_report = 0.0
+        self.stream_up = False
+        self.inflight = 0  # requests this frontend sent and has not seen finish
+        self.inflight_prompt_tokens = 0  # prefill: prompt tokens sent whose first token hasn't come back
+        self.info_ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info and self.info.worker_id else self.address
+
+    @property
+    def healthy(self) -> bool:
+        # A live stream that has gone quiet for many intervals means a hung worker.
+        fresh = time.monotonic() - self.last_report < max(2.0, 10 * self.interval)
+        return self.stream_up and self.info is not None and fresh
+
+    def mark_down(self) -> None:
+        """A call failed in a way that says the worker is gone; the watch loop
+        marks it up again on its next report."""
+        self.stream_up = False
+
+    def snapshot(self) -> WorkerLoad:
+        r = self.load or pb.LoadReport()
+        return WorkerLoad(address=self.address, worker_id=self.worker_id, running=r.running,
+                          waiting=r.waiting, free_blocks=r.free_blocks, total_blocks=r.total_blocks,
+                          queued_prompt_tokens=r.queued_prompt_tokens, inflight=self.inflight,
+                          inflight_prompt_tokens=self.inflight_prompt_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        """One entry of GET /cluster."""
+        info, load = self.info or pb.WorkerInfo(), self.load or pb.LoadReport()
+        return {"id": self.worker_id, "role": info.role or self.role, "pid": info.pid or None,
+                "grpc_address": info.grpc_address or self.address, "address": self.address,
+                "ucx_address": info.ucx_address or None, "metrics_url": info.metrics_url or None,
+                "health": "healthy" if self.healthy else "unhealthy",
+                "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
+                "total_blocks": load.total_blocks, "queued_prompt_tokens": load.queued_prompt_tokens,
+                "inflight": self.inflight, "max_model_len": info.max_model_len or None,
+                "model_id": info.model_id or None, "counters": dict(load.counters)}
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name=f"watch {self.role} {self.address}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.channel.close(grace=None)
+
+    async def _watch(self) -> None:
+        """Info, then WatchLoad until it breaks; again, with backoff, forever."""
+        backoff = 0.1
+        while True:
+            try:
+                self.info = await self.stub.Info(pb.InfoRequest(), timeout=_INFO_TIMEOUT_S)
+                self._check_info()
+                self.info_ready.set()
+                stream = self.stub.WatchLoad(pb.LoadRequest(interval_seconds=self.interval))
+                async for report in stream:
+                    self.load, self.last_report = report, time.monotonic()
+                    if not self.stream_up:
+                        log.info("%s worker %s (%s) is up", self.role, self.worker_id, self.address)
+                    self.stream_up = True
+                    backoff = 0.1
+                raise ConnectionError("load stream ended")
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as e:
+                if self.stream_up:
+                    log.warning("%s worker %s (%s) is down: %s", self.role, self.worker_id, self.address,
+                                e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+                self.stream_up = False
+            except Exception:
+                log.exception("watching %s worker %s", self.role, self.address)
+                self.stream_up = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    def _check_info(self) -> None:
+        assert self.info is not None
+        if self.info.role and self.info.role != self.role:
+            log.warning("worker %s was given as %s but says it is %s", self.address, self.role,
+                        self.info.role)
+        if self.model_id and self.info.model_id and self.info.model_id != self.model_id:
+            log.warning("worker %s serves %s but this frontend tokenizes for %s", self.address,
+                        self.info.model_id, self.model_id)
+
+
+class WorkerPool:
+    def __init__(self, decode: Iterable[str], prefill: Iterable[str], interval: float = 0.2,
+                 model_id: str | None = None) -> None:
+        self.decodes = {a: Worker(a, "decode", interval, model_id) for a in decode}
+        self.prefills = {a: Worker(a, "prefill", interval, model_id) for a in prefill}
+
+    @property
+    def all(self) -> list[Worker]:
+        return [*self.decodes.values(), *self.prefills.values()]
+
+    async def start(self, wait_seconds: float) -> bool:
+        """Start watching every worker; wait (bounded) until each has answered Info.
+        False: some did not in time (they keep being retried in the background)."""
+        for w in self.all:
+            w.start()
+        waits = [w.info_ready.wait() for w in self.all]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout=wait_seconds)
+            return True
+        except asyncio.TimeoutError:
+            missing = [w.address for w in self.all if w.info is None]
+            log.warning("workers did not answer Info within %.1f s: %s", wait_seconds, ", ".join(missing))
+            return False
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.all))
+
+    def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
+        skip = set(exclude)
+        workers = self.decodes if role == "decode" else self.prefills
+        return [w for a, w in workers.items() if a not in skip and w.healthy]
+
+    def max_model_len(self) -> int | None:
+        """The smallest max_model_len any worker reported (they should agree)."""
+        lens = [w.info.max_model_len for w in self.all if w.info and w.info.max_model_len > 0]
+        return min(lens) if lens else None

@@ -1,0 +1,126 @@
+"""KV layout checks and the control-message wire format: no UCX, milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer import wire
+from kvtransfer.channel import block_buffer
+from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
+
+SMOL = KVLayout("SmolLM2-135M-Instruct", "bfloat16", block_size=16, num_layers=30, num_kv_heads=3,
+                head_dim=64)
+
+
+def test_block_bytes_of_the_default_model_is_360_kib() -> None:
+    assert SMOL.block_bytes == 30 * 2 * 16 * 3 * 64 * 2 == 360 * 1024
+
+
+def test_from_cache_reads_shape_and_dtype() -> None:
+    kv = torch.zeros(5, 30, 2, 16, 3, 64, dtype=torch.bfloat16)
+    assert KVLayout.from_cache(kv, SMOL.model_id) == SMOL
+    assert kv[0].numel() * kv.element_size() == SMOL.block_bytes
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        KVLayout.from_cache(torch.zeros(5, 30, 3, 16, 3, 64), "m")
+
+
+def test_layout_dict_round_trip_and_validation() -> None:
+    assert KVLayout.from_dict(SMOL.to_dict()) == SMOL
+    with pytest.raises(ValueError, match="missing fields \\['head_dim'\\]"):
+        KVLayout.from_dict({k: v for k, v in SMOL.to_dict().items() if k != "head_dim"})
+    with pytest.raises(ValueError, match="unknown fields \\['extra'\\]"):
+        KVLayout.from_dict({**SMOL.to_dict(), "extra": 1})
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        KVLayout("m", "float13", 16, 1, 1, 1)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        KVLayout("m", "float32", 0, 1, 1, 1)
+
+
+def test_compatible_layouts_pass() -> None:
+    check_compatible(SMOL, KVLayout.from_dict(SMOL.to_dict()))
+
+
+def test_mismatch_names_every_differing_field_with_both_values() -> None:
+    other = KVLayout("other-model", "float32", block_size=32, num_layers=30, num_kv_heads=3, head_dim=64)
+    with pytest.raises(LayoutMismatch) as info:
+        check_compatible(SMOL, other)
+    msg = str(info.value)
+    assert "model_id: local 'SmolLM2-135M-Instruct' vs remote 'other-model'" in msg
+    assert "dtype: local 'bfloat16' vs remote 'float32'" in msg
+    assert "block_size: local 16 vs remote 32" in msg
+    assert "num_layers" not in msg and "head_dim" not in msg
+    assert info.value.differences == {"model_id": ("SmolLM2-135M-Instruct", "other-model"),
+                                      "dtype": ("bfloat16", "float32"), "block_size": (16, 32)}
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("msg", [
+    wire.Hello(SMOL),
+    wire.HelloAck(SMOL),
+    wire.HelloAck(SMOL, error="KV layout mismatch (dtype: ...)"),
+    wire.TransferHeader(seq=7, transfer_id="req-1/ü", block_ids=(5, 0, 2**32 - 1, 17)),
+    wire.TransferHeader(seq=1, transfer_id="empty", block_ids=()),
+    wire.TransferHeader(seq=2**63, transfer_id="x" * 1000, block_ids=tuple(range(4096))),
+    wire.Ready(seq=3),
+    wire.Reject(seq=3, reason="transfer 'x' is not expected here"),
+    wire.Reject(seq=4, reason=""),
+    wire.Done(seq=3, nbytes=64 * 368640),
+])
+def test_control_messages_round_trip(msg: wire.Message) -> None:
+    data = wire.encode(msg)
+    assert data[:4] == wire.MAGIC
+    assert wire.decode(data) == msg
+    assert wire.decode(bytearray(data)) == msg
+
+
+def test_header_is_compact() -> None:
+    msg = wire.TransferHeader(seq=1, transfer_id="r", block_ids=tuple(range(1000)))
+    assert len(wire.encode(msg)) == 6 + 14 + 1 + 4 * 1000
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"SSK", "shorter than its head"),
+    (b"XXXX\x01\x04" + bytes(8), "bad magic"),
+    (b"SSKV\x02\x04" + bytes(8), "protocol version 2"),
+    (b"SSKV\x01\x63", "unknown control message kind 99"),
+    (b"SSKV\x01\x04" + bytes(7), "malformed READY"),
+    (b"SSKV\x01\x06" + bytes(17), "malformed DONE"),
+    (b"SSKV\x01\x01{not json", "malformed HELLO"),
+    (b"SSKV\x01\x01" + b'{"layout": {"model_id": "m"}}', "missing fields"),
+])
+def test_bad_messages_raise_wire_error(data: bytes, match: str) -> None:
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode(data)
+
+
+def test_truncated_header_raises() -> None:
+    data = wire.encode(wire.TransferHeader(seq=1, transfer_id="abc", block_ids=(1, 2, 3)))
+    for cut in (len(data) - 1, len(data) - 4, 10):
+        with pytest.raises(wire.WireError, match="malformed HEADER"):
+            wire.decode(data[:cut])
+    with pytest.raises(wire.WireError, match="malformed HEADER"):
+        wire.decode(data + b"\x00")
+
+
+def test_header_rejects_ids_that_do_not_fit() -> None:
+    with pytest.raises(wire.WireError, match="32 bits"):
+        wire.encode(wire.TransferHeader(seq=1, transfer_id="a", block_ids=(2**32,)))
+    with pytest.raises(wire.WireError, match="transfer id"):
+        wire.encode(wire.TransferHeader(seq=1, transfer_id="a" * 70000, block_ids=()))
+
+
+def test_data_tags_are_distinct_per_block_and_transfer() -> None:
+    tags = {wire.data_tag(seq, i) for seq in (1, 2, 3) for i in range(5000)}
+    assert len(tags) == 3 * 5000
+    assert wire.CONTROL_TAG not in tags
+    assert all(hash(t) == t for t in tags)  # ucxx mixes hash(tag) into the wire tag
+
+
+def test_block_buffer_is_a_zero_copy_byte_view() -> None:
+    kv = torch.zeros(4, 2, 2, 4, 1, 8, dtype=torch.bfloat16)
+    buf = block_buffer(kv, 2)
+    assert buf.dtype.itemsize == 1 and buf.nbytes == kv[2].numel() * 2
+    buf[:] = 0x3F  # written through the view, as UCX writes a received block
+    assert torch.all(kv[2].view(torch.uint8) == 0x3F)
+    assert not kv[1].view(torch.uint8).any() and not kv[3].view(torch.uint8).any()
