@@ -34,6 +34,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--worker-id", default=None)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV transfer")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port (0: pick a free port)")
     g.add_argument("--ready-file", default=None, help="write 'grpc_address' here once serving")
 
 
@@ -108,6 +110,41 @@ class WorkerState:
                              layout=layout_proto(eng), max_model_len=eng.max_model_len)
 
 
+class WorkerCollector:
+    """Prometheus view of a worker, read from its load report at scrape time
+    (nothing on the per-token path)."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r = self.state.load()
+        labels = ["model_name", "worker_id", "role"]
+        values = [self.state.engine.engine.model_id, self.state.worker_id, self.state.role]
+        gauges = {"num_requests_running": r.running, "num_requests_waiting": r.waiting,
+                  "kv_cache_usage_perc": 1 - r.free_blocks / max(r.total_blocks, 1),
+                  "kv_cache_free_blocks": r.free_blocks, "kv_cache_total_blocks": r.total_blocks}
+        for name, value in gauges.items():
+            g = GaugeMetricFamily(f"splitserve_{name}", name.replace("_", " "), labels=labels)
+            g.add_metric(values, value)
+            yield g
+        for name, value in sorted(r.counters.items()):
+            c = CounterMetricFamily(f"splitserve_{name}", name.replace("_", " "), labels=labels)
+            c.add_metric(values, value)
+            yield c
+
+
+def start_metrics(state: WorkerState, host: str, port: int) -> str:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(state))  # type: ignore[arg-type]
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return f"http://{host}:{server.server_port}/metrics"
+
+
 class WorkerRPCs:
     """Info, WatchLoad and Abort: the same on both roles."""
 
@@ -136,6 +173,7 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
                                          reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     state.grpc_address = f"{args.host}:{port}"
+    state.metrics_url = start_metrics(state, args.host, args.metrics_port)
     await server.start()
     for name in [*service_names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -64,10 +64,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         q = loop.open_stream(rid)
         finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold
+        timings: dict[str, float] = {}
         try:
             try:
                 if remote:
-                    first = await self._remote_prefill(rid, ids, params, request, context)
+                    first = await self._remote_prefill(rid, ids, params, request, context, timings)
                     if first is not None:
                         q.put_nowait(first)
                 else:
@@ -81,7 +82,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 if isinstance(out, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
                     return
-                yield self._response(out, remote)
+                yield self._response(out, remote, timings)
+                timings = {}
                 if out.finished:
                     finished = True
                     return
@@ -91,7 +93,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 await self.transport.cancel(rid)
                 await loop.call(lambda e: e.abort(rid))
 
-    def _response(self, out: StepOutput, remote: bool) -> pb.WorkerGenerateResponse:
+    def _response(self, out: StepOutput, remote: bool,
+                  timings: dict[str, float]) -> pb.WorkerGenerateResponse:
         logprobs = [logprobs_to_proto(t, pos) for t, pos in
                     zip(out.new_token_ids, out.new_logprobs or [], strict=False)]
         return pb.WorkerGenerateResponse(
@@ -99,7 +102,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             finish_reason=out.finish_reason or "",
             stop_reason="" if out.stop_reason is None else str(out.stop_reason),
             prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-            remote_prefill=remote)
+            remote_prefill=remote, timings=timings)
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams,
                        request: pb.WorkerGenerateRequest) -> tuple[list[int], int]:
@@ -120,8 +123,9 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             await asyncio.sleep(0.02)
 
     async def _remote_prefill(self, rid: str, ids: list[int], params: SamplingParams,
-                              request: pb.WorkerGenerateRequest,
-                              context: grpc.aio.ServicerContext) -> StepOutput | None:
+                              request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext,
+                              timings: dict[str, float]) -> StepOutput | None:
+        t_start = time.monotonic()
         try:
             block_ids, num_local = await self._reserve(rid, ids, params, request)
         except TimeoutError as e:
@@ -130,6 +134,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         first_block = num_local // loop.engine.kv.block_size
         landed = self.transport.expect(rid, block_ids[first_block:])
         t0 = time.monotonic()
+        timings["reserve"] = t0 - t_start
         try:
             resp = await self._prefill_stub(request.prefill_address).Prefill(
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
@@ -152,7 +157,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         self.stats.transfer_seconds.append(time.monotonic() - t0)
         ft = resp.first_token
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
-        return await loop.call(lambda eng: eng.remote_kv_landed(rid, first))
+        t_landed = time.monotonic()
+        out = await loop.call(lambda eng: eng.remote_kv_landed(rid, first))
+        timings.update(prefill=resp.prefill_seconds, transfer=resp.transfer_seconds,
+                       rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
+        return out
 
     async def close(self) -> None:
         for ch in self._channels.values():

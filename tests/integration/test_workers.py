@@ -90,6 +90,19 @@ def test_kv_really_crosses(workers, offline) -> None:  # type: ignore[no-untyped
     assert after_p.free_blocks == after_p.total_blocks
 
 
+def test_metrics_endpoint(workers) -> None:  # type: ignore[no-untyped-def]
+    import urllib.request
+
+    for proc, stub_cls in zip(workers, (pb_grpc.PrefillStub, pb_grpc.DecodeStub), strict=True):
+        with grpc.insecure_channel(proc.address) as ch:
+            info = stub_cls(ch).Info(pb.InfoRequest())
+        assert info.metrics_url.startswith("http://127.0.0.1:")
+        text = urllib.request.urlopen(info.metrics_url, timeout=5).read().decode()
+        labels = f'model_name="SmolLM2-135M-Instruct",role="{info.role}",worker_id="{info.worker_id}"'
+        assert f"splitserve_kv_cache_total_blocks{{{labels}}} 128.0" in text
+        assert "splitserve_prompt_tokens_computed_total" in text
+
+
 def test_bad_sampling_is_invalid_argument_and_worker_keeps_serving(workers, offline) -> None:  # type: ignore[no-untyped-def]
     p0, d0 = workers
     with grpc.insecure_channel(d0.address) as ch:
