@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -163,6 +164,31 @@ class WorkerRPCs:
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = await self.state.engine.call(lambda e: e.abort(request.request_id))
         return pb.AbortResponse(found=found)
+
+    async def close(self) -> None:
+        pass
+
+
+def run_worker(args: argparse.Namespace, role: str,
+               make_servicer: Callable[[WorkerState, Any], Any],
+               add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
+    """flags -> config -> engine (own thread) -> UCX transport -> gRPC server, until SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+
+    async def amain() -> None:
+        engine = build_engine(args)
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        transport = await start_transport(engine, args, port=args.ucx_port)
+        state = WorkerState(role, args.worker_id or f"{role}-{os.getpid()}", loop,
+                            ucx_address=transport.address)
+        servicer = make_servicer(state, transport)
+        state.extra_counters = lambda: numeric_fields(servicer.stats)
+        server = grpc.aio.server()
+        add_to_server(servicer, server)
+        await serve(server, args, state, [service_name], [servicer.close, transport.close])
+
+    asyncio.run(amain())
 
 
 async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: WorkerState,

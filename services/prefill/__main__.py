@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-
-import grpc
 
 from protos import pb_grpc
-from services.engine_loop import EngineLoop
 from services.prefill.servicer import PrefillServicer
-from services.worker import (
-    WorkerState,
-    add_worker_args,
-    build_engine,
-    numeric_fields,
-    serve,
-    start_transport,
-)
+from services.worker import add_worker_args, run_worker
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,22 +16,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def amain(args: argparse.Namespace) -> None:
-    engine = build_engine(args)
-    loop = EngineLoop(engine, asyncio.get_running_loop())
-    loop.start()
-    transport = await start_transport(engine, args, port=0)
-    state = WorkerState("prefill", args.worker_id or f"prefill-{id(engine) % 10000}", loop)
-    server = grpc.aio.server()
-    servicer = PrefillServicer(state, transport, fault_send_delay=args.fault_send_delay)
-    state.extra_counters = lambda: numeric_fields(servicer.stats)
-    pb_grpc.add_PrefillServicer_to_server(servicer, server)
-    await serve(server, args, state, ["splitserve.v1.Prefill"], [transport.close])
-
-
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
-    asyncio.run(amain(parse(argv)))
+    args = parse(argv)
+    run_worker(args, "prefill",
+               lambda state, transport: PrefillServicer(state, transport,
+                                                        fault_send_delay=args.fault_send_delay),
+               pb_grpc.add_PrefillServicer_to_server, "splitserve.v1.Prefill")
 
 
 if __name__ == "__main__":
