@@ -16,7 +16,7 @@ unit:
 
 lint:
 	$(PY) -m ruff check engine services kvtransfer tests benchmarks
-	$(PY) -m mypy engine
+	$(PY) -m mypy engine services kvtransfer benchmarks
 
 bench: setup
 	splitserve bench offline

@@ -69,6 +69,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             out = await q.get()
             if isinstance(out, BaseException):
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                raise out  # abort() raises; this keeps the type checker informed
             prefill_s = time.monotonic() - t0
             src = await loop.call(lambda e: e.held_block_ids(rid))
             first = request.first_block
