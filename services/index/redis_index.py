@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -150,13 +151,14 @@ class RedisPrefixIndex(PrefixIndex):
                 self._sweep_dead()
 
     def _sweep_dead(self) -> None:
-        workers = sorted(self._write.smembers(self.prefix + b"workers"))
+        # decode_responses=False: members come back as bytes.
+        workers = sorted(cast("set[bytes]", self._write.smembers(self.prefix + b"workers")))
         if not workers:
             return
         pipe = self._write.pipeline(transaction=False)
         for w in workers:
             pipe.exists(self._key(b"alive:", w))
-        dead = [w for w, alive in zip(workers, pipe.execute()) if not alive]
+        dead = [w for w, alive in zip(workers, pipe.execute(), strict=True) if not alive]
         if dead:
             pipe = self._write.pipeline(transaction=False)
             for w in dead:
