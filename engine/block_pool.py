@@ -132,6 +132,9 @@ class BlockPool:
         self._events.append(CacheEvent("cleared"))
         return True
 
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
+
     def take_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []
         return events

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from engine.block_pool import CacheEvent
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 
@@ -29,6 +30,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
+        # Called on the asyncio loop with each batch of prefix-cache events.
+        self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -95,12 +98,19 @@ class EngineLoop:
                     self._loop.call_soon_threadsafe(self._dispatch, outs)
                 elif self.engine.scheduler.num_running or self.engine.scheduler.num_waiting:
                     idle = False  # a prefill chunk ran without sampling
+            self._publish_cache_events()
             if idle:
                 try:  # sleep until a command arrives (requests waiting for remote KV need one)
                     cmd = self._cmds.get(timeout=0.02)
                     cmd()
                 except queue.Empty:
                     pass
+
+    def _publish_cache_events(self) -> None:
+        """Batched per step, handed to the loop: nothing of it on the step's path."""
+        events = self.engine.kv.take_events()
+        if events and self.on_cache_events is not None:
+            self._loop.call_soon_threadsafe(self.on_cache_events, events)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

@@ -72,7 +72,7 @@ class Stack:
             addrs[name.split("-")[0]].append(self._wait_ready(name, proc, ready, a.start_timeout))
         argv = ["services.frontend", "--host", a.host, "--port", str(a.port), "--grpc-port", str(a.grpc_port),
                 "--decode", ",".join(addrs["decode"]),
-                "--local-prefill-threshold", str(a.local_prefill_threshold)]
+                "--local-prefill-threshold", str(a.local_prefill_threshold), "--routing", a.routing]
         if addrs["prefill"]:
             argv += ["--prefill", ",".join(addrs["prefill"])]
         if a.model:
@@ -135,7 +135,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
     g.add_argument("--grpc-port", type=int, default=50051)
-    g.add_argument("--redis-url", default=None)
+    g.add_argument("--redis-url", default=None, help="Redis for the prefix index (default: embedded)")
+    g.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"])
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     g.add_argument("--local-prefill-threshold", type=int, default=64)
     g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")

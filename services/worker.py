@@ -9,13 +9,14 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.block_pool import CacheEvent
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from protos import pb
@@ -77,6 +78,39 @@ def layout_proto(engine: LLMEngine) -> pb.KVLayout:
                        num_kv_heads=s.num_kv_heads, head_dim=s.head_dim)
 
 
+class CacheEventLog:
+    """Prefix-cache events in order, on the asyncio loop; each WatchLoad stream
+    reads from its own cursor.  Bounded: a stream that falls behind the trimmed
+    head gets a fresh snapshot instead."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self.limit = limit
+        self._events: list[CacheEvent] = []
+        self._base = 0  # sequence number of _events[0]
+
+    @property
+    def end(self) -> int:
+        return self._base + len(self._events)
+
+    def append(self, events: list[CacheEvent]) -> None:
+        self._events.extend(events)
+        if len(self._events) > self.limit:
+            drop = len(self._events) - self.limit // 2
+            del self._events[:drop]
+            self._base += drop
+
+    def since(self, cursor: int) -> list[CacheEvent] | None:
+        """Events from `cursor` on; None when they were trimmed away."""
+        if cursor < self._base:
+            return None
+        return self._events[cursor - self._base:]
+
+
+def cache_events_proto(events: list[CacheEvent]) -> list[pb.CacheEvent]:
+    return [pb.CacheEvent(kind=e.kind, block_hashes=e.block_hashes, parent=e.parent or b"")
+            for e in events]
+
+
 @dataclass
 class WorkerState:
     role: str
@@ -86,6 +120,7 @@ class WorkerState:
     ucx_address: str = ""
     metrics_url: str = ""
     extra_counters: Callable[[], dict[str, float]] | None = None
+    cache_events: CacheEventLog = field(default_factory=CacheEventLog)
 
     def load(self) -> pb.LoadReport:
         eng = self.engine.engine
@@ -157,9 +192,20 @@ class WorkerRPCs:
     async def WatchLoad(self, request: pb.LoadRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadReport]:
         interval = min(max(request.interval_seconds or 0.5, 0.05), 10.0)
+        log_ = self.state.cache_events
+        pending: list[CacheEvent] | None = None
+        cursor = 0
         while True:
-            yield self.state.load()
+            if pending is None:  # first report, or fell behind: a snapshot
+                hashes = await self.state.engine.call(lambda e: e.kv.pool.cached_hashes())
+                cursor = log_.end  # events logged after this are newer than the snapshot
+                pending = [CacheEvent("cleared"), CacheEvent("stored", hashes)]
+            report = self.state.load()
+            report.cache_events.extend(cache_events_proto(pending))
+            yield report
             await asyncio.sleep(interval)
+            pending = log_.since(cursor)
+            cursor = log_.end
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = await self.state.engine.call(lambda e: e.abort(request.request_id))
@@ -182,6 +228,7 @@ def run_worker(args: argparse.Namespace, role: str,
         transport = await start_transport(engine, args, port=args.ucx_port)
         state = WorkerState(role, args.worker_id or f"{role}-{os.getpid()}", loop,
                             ucx_address=transport.address)
+        loop.on_cache_events = state.cache_events.append
         servicer = make_servicer(state, transport)
         state.extra_counters = lambda: numeric_fields(servicer.stats)
         server = grpc.aio.server()

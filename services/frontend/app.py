@@ -16,9 +16,12 @@ from engine.models.loader import model_name, resolve_model
 from services.frontend.config import FrontendConfig
 from services.frontend.core import Frontend
 from services.frontend.grpc_service import build_grpc_server, set_serving
+from services.frontend.kv_router import KVAwareRouter, RandomRouter, RoundRobinRouter
 from services.frontend.rest import build_app
+from services.frontend.router import LoadRouter, Router
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.workers import WorkerPool
+from services.index import open_index
 
 log = logging.getLogger("splitserve.frontend")
 _HEALTH_POLL_S = 1.0
@@ -46,7 +49,9 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     model_dir = await asyncio.to_thread(resolve_model, config.model)
     tokenizer = Tokenizer(model_dir)
     name = config.served_model_name or model_name(config.model)
-    pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model))
+    index = open_index(model_name(config.model), config.redis_url)
+    pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model),
+                      index)
     try:
         starting = asyncio.create_task(pool.start(config.worker_wait_seconds))
         await asyncio.wait({starting, asyncio.create_task(stop.wait())},
@@ -54,10 +59,21 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         if stop.is_set():
             starting.cancel()
             return
-        fe = Frontend(config, tokenizer, pool, name)
+        fe = Frontend(config, tokenizer, pool, name, build_router(config, pool))
         await _serve(fe, config, stop)
     finally:
         await pool.close()
+
+
+def build_router(config: FrontendConfig, pool: WorkerPool) -> Router:
+    t = config.local_prefill_threshold
+    if config.routing == "kv-aware" and pool.index is not None:
+        return KVAwareRouter(pool.index, pool.layout, t, config.queue_weight)
+    if config.routing == "round-robin":
+        return RoundRobinRouter(t)
+    if config.routing == "random":
+        return RandomRouter(t)
+    return LoadRouter(t)
 
 
 async def _serve(fe: Frontend, config: FrontendConfig, stop: asyncio.Event) -> None:

@@ -25,8 +25,10 @@ class FrontendConfig:
     max_n: int = 128
     shutdown_grace_seconds: float = 5.0
     log_level: str = "info"
-    # The cluster prefix index; only a prefix-aware router reads it (this load-only one doesn't).
+    # The cluster prefix index: embedded (fed by the workers' load streams) or Redis.
     redis_url: str | None = None
+    routing: str = "kv-aware"  # kv-aware | round-robin | random | load
+    queue_weight: float = 1.0  # kv-aware: prefill queue cost per block, in blocks of recompute
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -37,6 +39,8 @@ class FrontendConfig:
                 raise ValueError(f"worker address {address!r} is not host:port")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")
+        if self.routing not in ("kv-aware", "round-robin", "random", "load"):
+            raise ValueError(f"routing: must be kv-aware, round-robin, random or load, got {self.routing!r}")
         if self.load_interval_seconds <= 0:
             raise ValueError("load_interval: must be > 0")
 
@@ -69,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--redis-url", default=None,
-                   help="cluster prefix index (for prefix-aware routing; the load-only router ignores it)")
+                   help="Redis for the cluster prefix index (default: embedded in this process)")
+    p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
+                   help="how prefill workers are picked (decode workers: by load)")
+    p.add_argument("--queue-weight", type=float, default=1.0,
+                   help="kv-aware: cost of one block of queued prefill, in blocks of recompute")
     return p
 
 
@@ -81,4 +89,4 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         local_prefill_threshold=args.local_prefill_threshold, worker_wait_seconds=args.worker_wait,
         load_interval_seconds=args.load_interval, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
-        redis_url=args.redis_url)
+        redis_url=args.redis_url, routing=args.routing, queue_weight=args.queue_weight)

@@ -62,4 +62,8 @@ class Frontend:
         return {"object": "list", "data": [card]}
 
     def cluster(self) -> dict[str, Any]:
-        return {"model": self.model_name, "workers": [w.describe() for w in self.pool.all]}
+        router = self.dispatcher.router
+        routing = {"policy": type(router).__name__,
+                   "decisions": dict(getattr(router, "decisions", {}))}
+        return {"model": self.model_name, "workers": [w.describe() for w in self.pool.all],
+                "routing": routing}

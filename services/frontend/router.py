@@ -76,8 +76,7 @@ class LoadRouter:
 
         return min(decodes, key=key, default=None)
 
-    @staticmethod
-    def pick_prefill(prefills: Sequence[WorkerLoad]) -> WorkerLoad | None:
+    def pick_prefill(self, prefills: Sequence[WorkerLoad]) -> WorkerLoad | None:
         def key(w: WorkerLoad) -> tuple[int, int, str]:
             queued = max(w.queued_prompt_tokens, w.inflight_prompt_tokens)
             return queued, w.running + w.waiting, w.address

@@ -12,8 +12,10 @@ from typing import Any, Literal
 
 import grpc
 
+from engine.block_pool import CacheEvent
 from protos import pb, pb_grpc
 from services.frontend.router import WorkerLoad
+from services.index.base import IndexUnavailable, PrefixIndex
 
 Role = Literal["decode", "prefill"]
 log = logging.getLogger("splitserve.frontend.workers")
@@ -28,8 +30,10 @@ _MAX_BACKOFF_S = 2.0
 class Worker:
     """One worker: its channel, what it said about itself, its last load report."""
 
-    def __init__(self, address: str, role: Role, interval: float, model_id: str | None = None) -> None:
+    def __init__(self, address: str, role: Role, interval: float, model_id: str | None = None,
+                 index: PrefixIndex | None = None) -> None:
         self.address = address
+        self.index = index  # fed with this worker's prefix-cache events
         self.role = role
         self.interval = interval
         self.model_id = model_id  # what this frontend tokenizes for
@@ -100,6 +104,7 @@ class Worker:
                 stream = self.stub.WatchLoad(pb.LoadRequest(interval_seconds=self.interval))
                 async for report in stream:
                     self.load, self.last_report = report, time.monotonic()
+                    self._feed_index(report)
                     if not self.stream_up:
                         log.info("%s worker %s (%s) is up", self.role, self.worker_id, self.address)
                     self.stream_up = True
@@ -108,6 +113,7 @@ class Worker:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, ConnectionError) as e:
+                self._forget_in_index()
                 if self.stream_up:
                     log.warning("%s worker %s (%s) is down: %s", self.role, self.worker_id, self.address,
                                 e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
@@ -117,6 +123,23 @@ class Worker:
                 self.stream_up = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    def _feed_index(self, report: pb.LoadReport) -> None:
+        if self.index is None:
+            return
+        try:
+            if report.cache_events:
+                self.index.apply(self.worker_id, [
+                    CacheEvent(e.kind, list(e.block_hashes), e.parent or None) for e in report.cache_events])
+            # Entries stop counting soon after the reports stop.
+            self.index.heartbeat(self.worker_id, max(2.0, 10 * self.interval))
+        except IndexUnavailable as e:
+            log.warning("prefix index: %s", e)
+
+    def _forget_in_index(self) -> None:
+        if self.index is not None:
+            with contextlib.suppress(IndexUnavailable):
+                self.index.remove_worker(self.worker_id)
 
     def _check_info(self) -> None:
         assert self.info is not None
@@ -130,9 +153,17 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, decode: Iterable[str], prefill: Iterable[str], interval: float = 0.2,
-                 model_id: str | None = None) -> None:
-        self.decodes = {a: Worker(a, "decode", interval, model_id) for a in decode}
-        self.prefills = {a: Worker(a, "prefill", interval, model_id) for a in prefill}
+                 model_id: str | None = None, index: PrefixIndex | None = None) -> None:
+        self.index = index
+        self.decodes = {a: Worker(a, "decode", interval, model_id, index) for a in decode}
+        self.prefills = {a: Worker(a, "prefill", interval, model_id, index) for a in prefill}
+
+    def layout(self) -> tuple[int, str] | None:
+        """(block size, model id) as the workers reported them, for block hashes."""
+        for w in self.all:
+            if w.info is not None and w.info.layout.block_size > 0:
+                return w.info.layout.block_size, w.info.layout.model_id
+        return None
 
     @property
     def all(self) -> list[Worker]:

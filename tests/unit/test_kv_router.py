@@ -1,0 +1,67 @@
+"""The prefix-aware router over the embedded index: milliseconds, no processes."""
+
+from __future__ import annotations
+
+from engine.block_pool import CacheEvent
+from engine.hashing import extra_keys, hash_blocks
+from services.frontend.kv_router import KVAwareRouter, RoundRobinRouter
+from services.frontend.router import RouteRequest, WorkerLoad
+from services.index.base import IndexUnavailable, PrefixIndex
+from services.index.embedded import EmbeddedPrefixIndex
+
+BS, MODEL = 4, "m"
+PROMPT = list(range(100, 140))  # 10 blocks
+D = [WorkerLoad("d0:1", "d0", free_blocks=100, total_blocks=100)]
+
+
+def p(name: str, queued: int = 0) -> WorkerLoad:
+    return WorkerLoad(f"{name}:1", name, queued_prompt_tokens=queued, free_blocks=10, total_blocks=10)
+
+
+def index_with(worker: str, num_blocks: int, salt: str | None = None) -> EmbeddedPrefixIndex:
+    idx = EmbeddedPrefixIndex()
+    hashes = hash_blocks(PROMPT, BS, extra_keys(MODEL, salt))[:num_blocks]
+    idx.apply(worker, [CacheEvent("stored", hashes)])
+    idx.heartbeat(worker, 60)
+    return idx
+
+
+def route(idx: PrefixIndex, prefills: list[WorkerLoad], salt: str = "") -> str:
+    router = KVAwareRouter(idx, lambda: (BS, MODEL), local_prefill_threshold=8)
+    r = router.route(RouteRequest("r", PROMPT, salt), D, prefills)
+    assert r is not None
+    return r.prefill
+
+
+def test_prefill_goes_where_the_prefix_is() -> None:
+    assert route(index_with("p1", 8), [p("p0"), p("p1")]) == "p1:1"
+
+
+def test_cache_salt_is_part_of_the_hash() -> None:
+    idx = index_with("p1", 8)
+    assert route(idx, [p("p0"), p("p1")], salt="tenant") == "p0:1"  # no hit: tie -> by address
+
+
+def test_load_beats_affinity_when_the_queue_is_long() -> None:
+    # p1 saves 8 blocks of recompute but has 200 tokens = 50 blocks queued.
+    assert route(index_with("p1", 8), [p("p0"), p("p1", queued=200)]) == "p0:1"
+
+
+def test_index_down_falls_back_to_load() -> None:
+    class Down(EmbeddedPrefixIndex):
+        def longest_prefix(self, block_hashes, worker_ids=None):  # type: ignore[no-untyped-def]
+            raise IndexUnavailable("down")
+
+    router = KVAwareRouter(Down(), lambda: (BS, MODEL), local_prefill_threshold=8)
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0", queued=50), p("p1")])
+    assert r is not None and r.prefill == "p1:1"
+    assert router.decisions["index_fallback"] == 1
+
+
+def test_short_prompts_stay_local_and_round_robin_turns() -> None:
+    router = KVAwareRouter(index_with("p1", 8), lambda: (BS, MODEL), local_prefill_threshold=100)
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert r is not None and r.prefill == ""
+    rr = RoundRobinRouter(8)
+    picks = [rr.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")]) for _ in range(4)]
+    assert [x.prefill for x in picks if x] == ["p0:1", "p1:1", "p0:1", "p1:1"]
