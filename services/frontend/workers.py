@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import grpc
@@ -16,6 +16,7 @@ from engine.block_pool import CacheEvent
 from protos import pb, pb_grpc
 from services.frontend.router import WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex
+from services.index.embedded import EmbeddedPrefixIndex
 
 Role = Literal["decode", "prefill"]
 log = logging.getLogger("splitserve.frontend.workers")
@@ -34,6 +35,8 @@ class Worker:
                  index: PrefixIndex | None = None) -> None:
         self.address = address
         self.index = index  # fed with this worker's prefix-cache events
+        self.cached: set[bytes] = set()  # this worker's cached blocks, to resync an index that missed events
+        self._index_synced = True
         self.role = role
         self.interval = interval
         self.model_id = model_id  # what this frontend tokenizes for
@@ -104,7 +107,7 @@ class Worker:
                 stream = self.stub.WatchLoad(pb.LoadRequest(interval_seconds=self.interval))
                 async for report in stream:
                     self.load, self.last_report = report, time.monotonic()
-                    self._feed_index(report)
+                    await self._feed_index(report)
                     if not self.stream_up:
                         log.info("%s worker %s (%s) is up", self.role, self.worker_id, self.address)
                     self.stream_up = True
@@ -113,7 +116,7 @@ class Worker:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, ConnectionError) as e:
-                self._forget_in_index()
+                await self._forget_in_index()
                 if self.stream_up:
                     log.warning("%s worker %s (%s) is down: %s", self.role, self.worker_id, self.address,
                                 e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
@@ -124,22 +127,50 @@ class Worker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
-    def _feed_index(self, report: pb.LoadReport) -> None:
+    async def _feed_index(self, report: pb.LoadReport) -> None:
         if self.index is None:
             return
-        try:
-            if report.cache_events:
-                self.index.apply(self.worker_id, [
-                    CacheEvent(e.kind, list(e.block_hashes), e.parent or None) for e in report.cache_events])
-            # Entries stop counting soon after the reports stop.
-            self.index.heartbeat(self.worker_id, max(2.0, 10 * self.interval))
-        except IndexUnavailable as e:
-            log.warning("prefix index: %s", e)
+        events = [CacheEvent(e.kind, list(e.block_hashes), e.parent or None) for e in report.cache_events]
+        for e in events:
+            if e.kind == "cleared":
+                self.cached.clear()
+            elif e.kind == "stored":
+                self.cached.update(e.block_hashes)
+            else:
+                self.cached.difference_update(e.block_hashes)
+        if not self._index_synced:  # the index missed events: replace what it has for us
+            events = [CacheEvent("cleared"), CacheEvent("stored", list(self.cached))]
+        index, worker_id = self.index, self.worker_id
 
-    def _forget_in_index(self) -> None:
+        def feed() -> None:
+            if events:
+                index.apply(worker_id, events)
+            index.heartbeat(worker_id, max(2.0, 10 * self.interval))  # entries expire soon after reports stop
+
+        try:
+            await self._index_call(feed)
+        except IndexUnavailable as e:
+            if self._index_synced:
+                log.warning("prefix index unavailable (routing on load until it is back): %s", e)
+            self._index_synced = False
+        else:
+            if not self._index_synced:
+                log.info("prefix index back; resynced %d blocks of %s", len(self.cached), worker_id)
+            self._index_synced = True
+
+    async def _forget_in_index(self) -> None:
         if self.index is not None:
+            self.cached.clear()
             with contextlib.suppress(IndexUnavailable):
-                self.index.remove_worker(self.worker_id)
+                await self._index_call(lambda: self.index.remove_worker(self.worker_id))  # type: ignore[union-attr]
+
+    async def _index_call(self, fn: Callable[[], None]) -> None:
+        """The embedded index is a few dict operations; a remote one may block
+        for its timeout, so it runs off the event loop (in order per worker)."""
+        if isinstance(self.index, EmbeddedPrefixIndex):
+            fn()
+        else:
+            await asyncio.to_thread(fn)
 
     def _check_info(self) -> None:
         assert self.info is not None

@@ -27,9 +27,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("routing")
+    redis_port = free_port()
+    redis = [start_redis(redis_port)]
     workers = [start_worker("prefill", "pa", tmp, "--num-blocks", "256"),
                start_worker("prefill", "pb", tmp, "--num-blocks", "256"),
                start_worker("decode", "d0", tmp, "--num-blocks", "256", "--local-prefill-threshold", "32")]
@@ -37,14 +51,16 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     try:
         for w in workers:
             w.wait_ready()
-        for routing in ("kv-aware", "round-robin"):
+        for name, extra in (("kv-aware", []), ("round-robin", []),
+                            ("redis", ["--redis-url", f"redis://127.0.0.1:{redis_port}"])):
             port = free_port()
-            with open(tmp / f"frontend-{routing}.log", "wb") as log:
+            routing = "round-robin" if name == "round-robin" else "kv-aware"
+            with open(tmp / f"frontend-{name}.log", "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port",
                      str(free_port()), "--decode", workers[2].address, "--prefill",
                      f"{workers[0].address},{workers[1].address}", "--local-prefill-threshold", "32",
-                     "--routing", routing, "--log-level", "warning"],
+                     "--routing", routing, "--log-level", "warning", *extra],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             frontends.append((proc, f"http://127.0.0.1:{port}"))
         for proc, url in frontends:
@@ -57,8 +73,11 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        yield [url for _, url in frontends]
+        yield [url for _, url in frontends], redis, redis_port
     finally:
+        for r in redis:
+            r.terminate()
+            r.wait(timeout=10)
         for proc, _ in frontends:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -91,7 +110,7 @@ def delta(after: Counters, before: Counters, key: str) -> dict[str, float]:
 
 
 def test_kv_aware_sends_shared_prefixes_to_the_worker_that_has_them(stack) -> None:  # type: ignore[no-untyped-def]
-    kv_url, _ = stack
+    (kv_url, _, _), _, _ = stack
     n = 6
     before = prefill_counters(kv_url)
     run_shared_prefix(kv_url, seed=1, n=n)
@@ -106,7 +125,7 @@ def test_kv_aware_sends_shared_prefixes_to_the_worker_that_has_them(stack) -> No
 
 
 def test_round_robin_spreads_and_hits_less(stack) -> None:  # type: ignore[no-untyped-def]
-    _, rr_url = stack
+    (_, rr_url, _), _, _ = stack
     n = 6
     before = prefill_counters(rr_url)
     run_shared_prefix(rr_url, seed=2, n=n)
@@ -115,3 +134,19 @@ def test_round_robin_spreads_and_hits_less(stack) -> None:  # type: ignore[no-un
     hits = delta(after, before, "prefix_cache_hits")
     assert all(v > 0 for v in computed.values())  # both workers computed the prefix
     assert sum(hits.values()) <= (n - 2) * PREFIX_BLOCKS * 16 + n * 16
+
+
+def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # type: ignore[no-untyped-def]
+    (_, _, url), redis, redis_port = stack
+    decisions = lambda: httpx.get(f"{url}/cluster").json()["routing"]["decisions"]  # noqa: E731
+    run_shared_prefix(url, seed=3, n=3)
+    assert decisions().get("prefix_hit", 0) >= 2  # the Redis index knew where the prefix was
+    redis[0].terminate()
+    redis[0].wait(timeout=10)
+    run_shared_prefix(url, seed=4, n=2)  # every request still completes (asserted inside)
+    assert decisions().get("index_fallback", 0) >= 2
+    redis[0] = start_redis(redis_port)
+    time.sleep(1.0)  # the next load reports resync each worker's blocks into the fresh Redis
+    before = decisions().get("prefix_hit", 0)
+    run_shared_prefix(url, seed=4, n=2)  # the prefix seen while Redis was down
+    assert decisions().get("prefix_hit", 0) >= before + 2
