@@ -29,7 +29,6 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.steps = 0
         # Called on the asyncio loop with each batch of prefix-cache events.
         self.on_cache_events: Callable[[list[CacheEvent]], None] | None = None
 
@@ -92,7 +91,6 @@ class EngineLoop:
                         self.engine.abort(rid)
                     self._loop.call_soon_threadsafe(self._fail_all, e)
                     continue
-                self.steps += 1
                 if outs:
                     idle = False
                     self._loop.call_soon_threadsafe(self._dispatch, outs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 from protos import pb, pb_grpc
 from services.frontend.tokenizer import Tokenizer
 
-from .procs import ROOT, start_worker
+from .procs import ROOT, free_port, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 64  # prompts at least this long are prefilled on the prefill worker (SHORT: 37 tokens)
@@ -34,11 +33,6 @@ SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = [{"role": "user", "content": "Describe a quiet harbour town at dawn, the boats, the gulls and the "
                                     "people who live there, in a few vivid sentences. " * 3}]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Frontend:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -19,14 +18,10 @@ from services.index import IndexUnavailable, PrefixIndex
 from services.index.redis_index import RedisPrefixIndex
 from tests.unit.test_prefix_index import TTL_S, H, PrefixIndexContract, stored
 
+from .procs import free_port
+
 # Generous for a shared 2-core CI machine; production default is 5 ms.
 LOOKUP_TIMEOUT_S = 0.02
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

@@ -15,16 +15,11 @@ import time
 import httpx
 import pytest
 
-from .procs import ROOT, start_worker
+from .procs import ROOT, free_port, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 PREFIX_BLOCKS = 16  # 256 shared tokens
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 
-from .procs import ROOT
+from .procs import ROOT, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 32
@@ -35,11 +34,6 @@ PROMPTS = [
     "Describe the rules of chess briefly, as if to a newcomer. " * 4,
 ]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
