@@ -24,9 +24,11 @@ class Frontend:
         self.config = config
         self.model_name = model_name
         self.pool = pool
-        self.metrics = Metrics(pool)
-        self.dispatcher = Dispatcher(pool, router or LoadRouter(config.local_prefill_threshold),
-                                     self.metrics)
+        router = router or LoadRouter(config.local_prefill_threshold)
+        self.metrics = Metrics(pool, router)
+        if hasattr(router, "observe_lookup"):
+            router.observe_lookup = self.metrics.observe_lookup
+        self.dispatcher = Dispatcher(pool, router, self.metrics)
         self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
         self.created = int(time.time())
         self.active: set[RequestRun] = set()
@@ -64,6 +66,7 @@ class Frontend:
     def cluster(self) -> dict[str, Any]:
         router = self.dispatcher.router
         routing = {"policy": type(router).__name__,
-                   "decisions": dict(getattr(router, "decisions", {}))}
+                   "decisions": dict(getattr(router, "decisions", {})),
+                   "index_fallbacks": getattr(router, "index_fallbacks", 0)}
         return {"model": self.model_name, "workers": [w.describe() for w in self.pool.all],
                 "routing": routing}

@@ -114,7 +114,11 @@ class Dispatcher:
         if route is None:
             raise errors.no_worker()
         prefill = self.pool.prefills.get(route.prefill) if route.prefill else None
-        return self.pool.decodes[route.decode], prefill
+        decode = self.pool.decodes[route.decode]
+        for w in (decode, prefill):
+            if w is not None:
+                w.routed += 1
+        return decode, prefill
 
     async def _call_worker(self, decode: Worker, prefill: Worker | None,
                            job: Job) -> AsyncIterator[pb.WorkerGenerateResponse]:

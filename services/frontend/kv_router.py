@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections import Counter
+import time
 from collections.abc import Callable, Sequence
 
 from engine.hashing import extra_keys, hash_blocks
@@ -24,48 +24,91 @@ class KVAwareRouter(LoadRouter):
     there means fewer blocks to send).  If the index fails: load only."""
 
     def __init__(self, index: PrefixIndex, layout: Callable[[], tuple[int, str] | None],
-                 local_prefill_threshold: int = 64, queue_weight: float = 1.0) -> None:
+                 local_prefill_threshold: int = 64, queue_weight: float = 1.0,
+                 retry_after_s: float = 0.5) -> None:
         super().__init__(local_prefill_threshold)
         self.index = index
         self.layout = layout  # () -> (block_size, model_id) once the workers have said
         self.queue_weight = queue_weight
-        self.decisions: Counter[str] = Counter()  # reason -> count
+        self.index_fallbacks = 0  # routes made without the index because it failed
+        # After a failed lookup the index is left alone for a moment: a slow store
+        # would otherwise cost its timeout on every request (the lookup runs on
+        # the frontend's event loop).
+        self.retry_after_s = retry_after_s
+        self._index_down_until = 0.0
+        self.observe_lookup: Callable[[float, bool], None] | None = None  # (seconds, ok) per lookup
 
     def route(self, request: RouteRequest, decodes: Sequence[WorkerLoad],
               prefills: Sequence[WorkerLoad]) -> Route | None:
-        layout = self.layout()
         if not decodes:
             return None
-        if layout is None:
-            self.decisions["no_layout"] += 1
-            return super().route(request, decodes, prefills)
+        remote = len(request.prompt_token_ids) >= self.local_prefill_threshold and bool(prefills)
+        layout = self.layout()
+        if layout is None:  # no worker has said its block size yet
+            return self._by_load(decodes, prefills if remote else (), "no_layout")
         block_size, model_id = layout
         hashes = hash_blocks(request.prompt_token_ids, block_size,
                              extra_keys(model_id, request.cache_salt or None))
         try:
-            hits = self.index.longest_prefix(hashes) if hashes else {}
-        except IndexUnavailable as e:
-            self.decisions["index_fallback"] += 1
-            log.warning("prefix index unavailable, routing on load only: %s", e)
-            return super().route(request, decodes, prefills)
+            hits = self._lookup(hashes) if hashes else {}
+        except IndexUnavailable:
+            self.index_fallbacks += 1
+            return self._by_load(decodes, prefills if remote else (), "index_fallback")
         decode = min(decodes, key=lambda w: (w.total_blocks > 0 and w.free_blocks == 0,
                                              max(w.running + w.waiting, w.inflight),
                                              -hits.get(w.worker_id, 0), -w.free_blocks, w.address))
-        prefill = None
-        if len(request.prompt_token_ids) >= self.local_prefill_threshold and prefills:
-            def cost(w: WorkerLoad) -> tuple[float, str]:
-                queued = max(w.queued_prompt_tokens, w.inflight_prompt_tokens)
-                return (len(hashes) - hits.get(w.worker_id, 0)
-                        + queued / block_size * self.queue_weight, w.address)
-            prefill = min(prefills, key=cost)
-            self.decisions["prefix_hit" if hits.get(prefill.worker_id, 0) else "load"] += 1
-        else:
+        if not remote:
             self.decisions["local_prefill"] += 1
+            return Route(decode.address)
+
+        def cost(w: WorkerLoad) -> tuple[float, str]:
+            queued = max(w.queued_prompt_tokens, w.inflight_prompt_tokens)
+            return (len(hashes) - hits.get(w.worker_id, 0)
+                    + queued / block_size * self.queue_weight, w.address)
+
+        prefill = min(prefills, key=cost)
+        best_hit = max(hits.get(w.worker_id, 0) for w in prefills)
+        hit = hits.get(prefill.worker_id, 0)
+        # load_over_affinity: a worker holding more of the prefix was too busy.
+        reason = "load_over_affinity" if hit < best_hit else "prefix_hit" if hit else "load"
+        self.decisions[reason] += 1
+        return Route(decode.address, prefill.address)
+
+    def _by_load(self, decodes: Sequence[WorkerLoad], prefills: Sequence[WorkerLoad],
+                 reason: str) -> Route | None:
+        decode = self.pick_decode(decodes)
+        assert decode is not None
+        prefill = self.pick_prefill(prefills)
+        self.decisions[reason if prefill else "local_prefill"] += 1
         return Route(decode.address, prefill.address if prefill else "")
+
+    def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
+        if time.monotonic() < self._index_down_until:
+            raise IndexUnavailable("failed moments ago; not asked again yet")
+        start = time.perf_counter()
+        try:
+            hits = self.index.longest_prefix(hashes)
+        except IndexUnavailable as e:
+            if self._index_down_until == 0.0:
+                log.warning("prefix index unavailable, routing on load only: %s", e)
+            self._index_down_until = time.monotonic() + self.retry_after_s
+            self._observe(start, ok=False)
+            raise
+        if self._index_down_until:
+            log.info("prefix index answering again")
+            self._index_down_until = 0.0
+        self._observe(start, ok=True)
+        return hits
+
+    def _observe(self, start: float, ok: bool) -> None:
+        if self.observe_lookup is not None:
+            self.observe_lookup(time.perf_counter() - start, ok)
 
 
 class RoundRobinRouter(LoadRouter):
     """For comparison: decode by load, prefill in turn."""
+
+    reason = "round_robin"
 
     def __init__(self, local_prefill_threshold: int = 64) -> None:
         super().__init__(local_prefill_threshold)
@@ -78,6 +121,8 @@ class RoundRobinRouter(LoadRouter):
 
 class RandomRouter(LoadRouter):
     """For comparison: decode by load, prefill at random."""
+
+    reason = "random"
 
     def __init__(self, local_prefill_threshold: int = 64, seed: int | None = None) -> None:
         super().__init__(local_prefill_threshold)

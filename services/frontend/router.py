@@ -7,6 +7,7 @@ against the cluster prefix index) implements the same `Router` protocol.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,8 +56,11 @@ class LoadRouter:
     Prefill: fewest queued prompt tokens.  Prompts under `local_prefill_threshold`
     tokens, or no healthy prefill worker: prefill on the decode worker."""
 
+    reason = "load"  # what decides the prefill worker, for `decisions`
+
     def __init__(self, local_prefill_threshold: int = 64) -> None:
         self.local_prefill_threshold = local_prefill_threshold
+        self.decisions: Counter[str] = Counter()  # reason -> requests routed for it
 
     def route(self, request: RouteRequest, decodes: Sequence[WorkerLoad],
               prefills: Sequence[WorkerLoad]) -> Route | None:
@@ -66,6 +70,7 @@ class LoadRouter:
         prefill = None
         if len(request.prompt_token_ids) >= self.local_prefill_threshold:
             prefill = self.pick_prefill(prefills)
+        self.decisions[self.reason if prefill else "local_prefill"] += 1
         return Route(decode.address, prefill.address if prefill else "")
 
     @staticmethod

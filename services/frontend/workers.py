@@ -21,7 +21,11 @@ from services.index.embedded import EmbeddedPrefixIndex
 Role = Literal["decode", "prefill"]
 log = logging.getLogger("splitserve.frontend.workers")
 
+# Reconnect backoff capped at 1 s (gRPC's default grows to 120 s), so that a
+# restarted worker is seen again within about a second.
 _CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1_000),
                     ("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20)]
 _INFO_TIMEOUT_S = 2.0
@@ -49,6 +53,7 @@ class Worker:
         self.stream_up = False
         self.inflight = 0  # requests this frontend sent and has not seen finish
         self.inflight_prompt_tokens = 0  # prefill: prompt tokens sent whose first token hasn't come back
+        self.routed = 0  # requests this frontend routed here
         self.info_ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -83,7 +88,7 @@ class Worker:
                 "health": "healthy" if self.healthy else "unhealthy",
                 "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
                 "total_blocks": load.total_blocks, "queued_prompt_tokens": load.queued_prompt_tokens,
-                "inflight": self.inflight, "max_model_len": info.max_model_len or None,
+                "inflight": self.inflight, "routed": self.routed, "max_model_len": info.max_model_len or None,
                 "model_id": info.model_id or None, "counters": dict(load.counters)}
 
     def start(self) -> None:

@@ -25,6 +25,7 @@ class Proc:
         self.name = name
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
+        self.ready.unlink(missing_ok=True)  # a restart must not see its predecessor's
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
             self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],

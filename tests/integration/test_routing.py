@@ -1,7 +1,8 @@
-"""Prefix-aware routing over real processes (issue 4, first part): two prefill
-workers, one decode worker, and two frontends on the same workers, one routing
-kv-aware, one round-robin.  Workers stream their prefix-cache events to the
-frontends' embedded index with their load reports."""
+"""Prefix-aware routing over real processes (issue 4): two prefill workers, one
+decode worker, and three frontends on the same workers: kv-aware over the
+embedded index, round-robin, and kv-aware over a real Redis.  Workers stream
+their prefix-cache events to the frontends with their load reports; the tests
+read what happened from the frontends' /metrics."""
 
 from __future__ import annotations
 
@@ -11,15 +12,23 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from .procs import ROOT, free_port, start_worker
+from engine.hashing import extra_keys, hash_blocks
+from services.index.redis_index import RedisPrefixIndex
+
+from .procs import ROOT, Proc, free_port, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
-PREFIX_BLOCKS = 16  # 256 shared tokens
-
+BLOCK = 16
+PREFIX_TOKENS = 1000  # the shared system prompt: 62 full blocks
+PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK
+HEARTBEAT_TTL_S = 2.0  # the frontend's: max(2 s, 10 load intervals of 0.2 s)
+WORKER_ARGS = ["--num-blocks", "400", "--max-model-len", "2048"]
 
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:
@@ -34,18 +43,23 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
         time.sleep(0.05)
 
 
+def start_prefill(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
+    return start_worker("prefill", name, tmp, "--grpc-port", str(port), *WORKER_ARGS)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("routing")
     redis_port = free_port()
     redis = [start_redis(redis_port)]
-    workers = [start_worker("prefill", "pa", tmp, "--num-blocks", "256"),
-               start_worker("prefill", "pb", tmp, "--num-blocks", "256"),
-               start_worker("decode", "d0", tmp, "--num-blocks", "256", "--local-prefill-threshold", "32")]
+    prefill_ports = {"pa": free_port(), "pb": free_port()}
+    workers = {name: start_prefill(name, tmp, port) for name, port in prefill_ports.items()}
+    workers["d0"] = start_worker("decode", "d0", tmp, *WORKER_ARGS, "--local-prefill-threshold", "32")
     frontends = []
     try:
-        for w in workers:
+        for w in workers.values():
             w.wait_ready()
+        prefill_addrs = ",".join(f"127.0.0.1:{port}" for port in prefill_ports.values())
         for name, extra in (("kv-aware", []), ("round-robin", []),
                             ("redis", ["--redis-url", f"redis://127.0.0.1:{redis_port}"])):
             port = free_port()
@@ -53,9 +67,9 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             with open(tmp / f"frontend-{name}.log", "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port",
-                     str(free_port()), "--decode", workers[2].address, "--prefill",
-                     f"{workers[0].address},{workers[1].address}", "--local-prefill-threshold", "32",
-                     "--routing", routing, "--log-level", "warning", *extra],
+                     str(free_port()), "--decode", workers["d0"].address, "--prefill", prefill_addrs,
+                     "--local-prefill-threshold", "32", "--routing", routing, "--log-level", "warning",
+                     *extra],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             frontends.append((proc, f"http://127.0.0.1:{port}"))
         for proc, url in frontends:
@@ -68,7 +82,8 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        yield [url for _, url in frontends], redis, redis_port
+        yield {"urls": [url for _, url in frontends], "redis": redis, "redis_port": redis_port,
+               "workers": workers, "prefill_ports": prefill_ports, "tmp": tmp}
     finally:
         for r in redis:
             r.terminate()
@@ -77,71 +92,195 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
-        for w in workers:
+        for w in workers.values():
             w.stop()
 
 
-def prefill_counters(url: str) -> dict[str, dict[str, float]]:  # worker id -> counters
-    return {w["id"]: w["counters"] for w in httpx.get(f"{url}/cluster").json()["workers"]
-            if w["role"] == "prefill"}
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A frontend's /metrics as (sample name, sorted labels) -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def per_worker(metrics: dict, name: str) -> dict[str, float]:  # type: ignore[type-arg]
+    """worker id -> value of a prefill worker's sample `name`."""
+    return {dict(labels)["worker"]: v for (n, labels), v in metrics.items()
+            if n == name and dict(labels).get("role") == "prefill"}
+
+
+def decisions(metrics: dict) -> dict[str, float]:  # type: ignore[type-arg]
+    return {dict(labels)["reason"]: v for (n, labels), v in metrics.items()
+            if n == "splitserve_router_decisions_total"}
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def complete(url: str, prompt: list[int]) -> None:
+    r = httpx.post(f"{url}/v1/completions", timeout=180,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def wait_indexed(url: str, at_least: int, timeout: float = 10) -> dict[str, float]:
+    """Until some prefill worker is known to hold `at_least` blocks (load reports
+    carry the events every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        indexed = per_worker(scrape(url), "splitserve_worker_indexed_blocks")
+        if max(indexed.values(), default=0) >= at_least:
+            return indexed
+        assert time.monotonic() < deadline, f"index never reached {at_least} blocks: {indexed}"
+        time.sleep(0.1)
 
 
 def run_shared_prefix(url: str, seed: int, n: int) -> None:
+    """n requests: one shared prefix, each its own suffix, one after another."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(100, 40000) for _ in range(PREFIX_BLOCKS * 16)]
-    for _ in range(n):
-        suffix = [rng.randrange(100, 40000) for _ in range(20)]
-        r = httpx.post(f"{url}/v1/completions", timeout=120,
-                       json={"model": MODEL, "prompt": prefix + suffix, "max_tokens": 2, "temperature": 0})
-        assert r.status_code == 200, r.text
-        time.sleep(0.5)  # the load stream carries the new blocks to the index (0.2 s reports)
+    prefix = tokens(rng, PREFIX_TOKENS)
+    complete(url, prefix + tokens(rng, 24))
+    wait_indexed(url, PREFIX_BLOCKS)
+    for _ in range(n - 1):
+        complete(url, prefix + tokens(rng, 24))
 
 
-Counters = dict[str, dict[str, float]]
+PerWorker = dict[str, float]
 
 
-def delta(after: Counters, before: Counters, key: str) -> dict[str, float]:
-    return {w: after[w][key] - before[w][key] for w in after}
+def shared_prefix_run(url: str, seed: int, n: int) -> tuple[PerWorker, PerWorker, PerWorker]:
+    """Per prefill worker over one run: requests routed, prefix-cache hit tokens, tokens looked up."""
+    before = scrape(url)
+    run_shared_prefix(url, seed, n)
+    after = scrape(url)
+    return tuple(diff(per_worker(after, name), per_worker(before, name))  # type: ignore[return-value]
+                 for name in ("splitserve_worker_requests_routed_total",
+                              "splitserve_worker_prefix_cache_hits_total",
+                              "splitserve_worker_prefix_cache_queries_total"))
 
 
-def test_kv_aware_sends_shared_prefixes_to_the_worker_that_has_them(stack) -> None:  # type: ignore[no-untyped-def]
-    (kv_url, _, _), _, _ = stack
-    n = 6
-    before = prefill_counters(kv_url)
-    run_shared_prefix(kv_url, seed=1, n=n)
-    after = prefill_counters(kv_url)
-    computed = delta(after, before, "prompt_tokens_computed")
-    hits = delta(after, before, "prefix_cache_hits")
-    assert sorted(v > 0 for v in computed.values()) == [False, True]  # one worker took them all
-    # Every request after the first found the whole shared prefix cached.
-    assert sum(hits.values()) >= (n - 1) * PREFIX_BLOCKS * 16 * 0.9
-    decisions = httpx.get(f"{kv_url}/cluster").json()["routing"]["decisions"]
-    assert decisions.get("prefix_hit", 0) >= n - 1
+@pytest.fixture(scope="module")
+def policy_runs(stack):  # type: ignore[no-untyped-def]
+    """Acceptance 1's workload on the kv-aware and the round-robin frontend, each
+    with its own shared prefix (so neither benefits from the other's run)."""
+    kv_url, rr_url, _ = stack["urls"]
+    n = 32
+    kv = shared_prefix_run(kv_url, seed=1, n=n)
+    time.sleep(0.5)  # the load reports catch up with the last request's counters
+    rr = shared_prefix_run(rr_url, seed=2, n=n)
+    time.sleep(0.5)
+    return n, kv, rr
 
 
-def test_round_robin_spreads_and_hits_less(stack) -> None:  # type: ignore[no-untyped-def]
-    (_, rr_url, _), _, _ = stack
-    n = 6
-    before = prefill_counters(rr_url)
-    run_shared_prefix(rr_url, seed=2, n=n)
-    after = prefill_counters(rr_url)
-    computed = delta(after, before, "prompt_tokens_computed")
-    hits = delta(after, before, "prefix_cache_hits")
-    assert all(v > 0 for v in computed.values())  # both workers computed the prefix
-    assert sum(hits.values()) <= (n - 2) * PREFIX_BLOCKS * 16 + n * 16
+def test_kv_aware_sends_a_shared_prefix_to_the_worker_that_has_it(stack, policy_runs) -> None:  # type: ignore[no-untyped-def]
+    n, (routed, hits, _), _ = policy_runs
+    assert sorted(routed.values()) == [0, n]  # one worker took every request
+    # After the first, every request found the whole shared prefix cached there.
+    rate = sum(hits.values()) / ((n - 1) * PREFIX_BLOCKS * BLOCK)
+    assert rate > 0.9, rate
+    assert decisions(scrape(stack["urls"][0])).get("prefix_hit", 0) >= n - 1
+
+
+def test_round_robin_spreads_the_prefix_and_hits_less(stack, policy_runs) -> None:  # type: ignore[no-untyped-def]
+    n, (_, kv_hits, _), (routed, hits, _) = policy_runs
+    assert sorted(routed.values()) == [n // 2, n // 2]
+    # Both workers computed the shared prefix once, so round-robin found fewer
+    # prefix tokens cached than kv-aware (with a prefix cache on every worker it
+    # still hits on every request after each worker's first).
+    assert sum(hits.values()) < sum(kv_hits.values())
+    assert decisions(scrape(stack["urls"][1])).get("round_robin", 0) >= n
 
 
 def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # type: ignore[no-untyped-def]
-    (_, _, url), redis, redis_port = stack
-    decisions = lambda: httpx.get(f"{url}/cluster").json()["routing"]["decisions"]  # noqa: E731
+    url, redis, redis_port = stack["urls"][2], stack["redis"], stack["redis_port"]
     run_shared_prefix(url, seed=3, n=3)
-    assert decisions().get("prefix_hit", 0) >= 2  # the Redis index knew where the prefix was
+    assert decisions(scrape(url)).get("prefix_hit", 0) >= 2  # the Redis index knew where the prefix was
     redis[0].terminate()
     redis[0].wait(timeout=10)
-    run_shared_prefix(url, seed=4, n=2)  # every request still completes (asserted inside)
-    assert decisions().get("index_fallback", 0) >= 2
+    rng = random.Random(4)
+    prefix = tokens(rng, PREFIX_TOKENS)
+    for _ in range(2):
+        complete(url, prefix + tokens(rng, 24))  # every request still completes
+    metrics = scrape(url)
+    assert metrics[("splitserve_index_fallbacks_total", ())] >= 2
+    assert decisions(metrics).get("index_fallback", 0) >= 2
     redis[0] = start_redis(redis_port)
     time.sleep(1.0)  # the next load reports resync each worker's blocks into the fresh Redis
-    before = decisions().get("prefix_hit", 0)
-    run_shared_prefix(url, seed=4, n=2)  # the prefix seen while Redis was down
-    assert decisions().get("prefix_hit", 0) >= before + 2
+    before = decisions(scrape(url)).get("prefix_hit", 0)
+    for _ in range(2):
+        complete(url, prefix + tokens(rng, 24))  # the prefix seen while Redis was down
+    metrics = scrape(url)
+    assert decisions(metrics).get("prefix_hit", 0) >= before + 2
+    assert metrics[("splitserve_index_lookups_total", (("result", "ok"),))] >= 5
+    assert metrics[("splitserve_index_lookups_total", (("result", "error"),))] >= 1
+    assert metrics[("splitserve_index_lookup_seconds_count", ())] >= 6
+
+
+def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # type: ignore[no-untyped-def]
+    url = stack["urls"][0]
+    rng = random.Random(5)
+    hot = tokens(rng, PREFIX_TOKENS)
+    complete(url, hot + tokens(rng, 24))
+    wait_indexed(url, PREFIX_BLOCKS)
+    before = scrape(url)
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda _: complete(url, hot + tokens(random.Random(), 24)), range(12)))
+    after = scrape(url)
+    routed = diff(per_worker(after, "splitserve_worker_requests_routed_total"),
+                  per_worker(before, "splitserve_worker_requests_routed_total"))
+    assert sum(routed.values()) == 12 and min(routed.values()) >= 2, routed  # no single-worker pile-up
+    assert diff(decisions(after), decisions(before)).get("load_over_affinity", 0) >= 1
+
+
+def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: ignore[no-untyped-def]
+    kv_url, _, redis_url_frontend = stack["urls"]
+    rng = random.Random(6)
+    prefix = tokens(rng, PREFIX_TOKENS)
+    complete(kv_url, prefix + tokens(rng, 24))
+    wait_indexed(kv_url, PREFIX_BLOCKS)
+    cluster = httpx.get(f"{kv_url}/cluster").json()
+    model_id = next(w["model_id"] for w in cluster["workers"] if w["model_id"])
+    hashes = hash_blocks(prefix, BLOCK, extra_keys(model_id, None))
+    index = RedisPrefixIndex(f"redis://127.0.0.1:{stack['redis_port']}", model_id, lookup_timeout_s=0.5)
+    try:
+        deadline = time.monotonic() + 5  # the Redis frontend relays the same events
+        while not index.longest_prefix(hashes):
+            assert time.monotonic() < deadline, "the prefix never reached Redis"
+            time.sleep(0.1)
+        holder = max(index.longest_prefix(hashes).items(), key=lambda kv: kv[1])[0]
+        other = "pa" if holder == "pb" else "pb"
+
+        stack["workers"][holder].kill(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for url in (kv_url, redis_url_frontend):  # within the heartbeat TTL everywhere
+            while True:
+                m = scrape(url)
+                healthy = per_worker(m, "splitserve_worker_healthy")[holder]
+                indexed = per_worker(m, "splitserve_worker_indexed_blocks")[holder]
+                if healthy == 0 and indexed == 0 and holder not in index.longest_prefix(hashes):
+                    break
+                assert time.monotonic() - killed_at < HEARTBEAT_TTL_S + 1, (healthy, indexed)
+                time.sleep(0.05)
+        before = per_worker(scrape(kv_url), "splitserve_worker_requests_routed_total")
+        for _ in range(3):
+            complete(kv_url, prefix + tokens(rng, 24))  # served by the survivor
+        routed = diff(per_worker(scrape(kv_url), "splitserve_worker_requests_routed_total"), before)
+        assert routed[holder] == 0 and routed[other] == 3
+
+        restarted = start_prefill(holder, stack["tmp"], stack["prefill_ports"][holder])
+        stack["workers"][holder] = restarted
+        restarted.wait_ready()
+        deadline = time.monotonic() + 10
+        while per_worker(scrape(kv_url), "splitserve_worker_healthy")[holder] != 1:
+            assert time.monotonic() < deadline, "the restarted worker never came back"
+            time.sleep(0.1)
+        assert per_worker(scrape(kv_url), "splitserve_worker_indexed_blocks")[holder] == 0
+        assert holder not in index.longest_prefix(hashes)  # it starts empty
+        assert index.longest_prefix(hashes).get(other, 0) >= PREFIX_BLOCKS
+    finally:
+        index.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from engine.block_pool import CacheEvent
 from engine.hashing import extra_keys, hash_blocks
 from services.frontend.kv_router import KVAwareRouter, RoundRobinRouter
@@ -44,7 +46,19 @@ def test_cache_salt_is_part_of_the_hash() -> None:
 
 def test_load_beats_affinity_when_the_queue_is_long() -> None:
     # p1 saves 8 blocks of recompute but has 200 tokens = 50 blocks queued.
-    assert route(index_with("p1", 8), [p("p0"), p("p1", queued=200)]) == "p0:1"
+    router = KVAwareRouter(index_with("p1", 8), lambda: (BS, MODEL), local_prefill_threshold=8)
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1", queued=200)])
+    assert r is not None and r.prefill == "p0:1"
+    assert router.decisions == {"load_over_affinity": 1}
+
+
+def test_every_lookup_is_observed_with_its_outcome() -> None:
+    seen: list[tuple[float, bool]] = []
+    router = KVAwareRouter(index_with("p1", 8), lambda: (BS, MODEL), local_prefill_threshold=8)
+    router.observe_lookup = lambda seconds, ok: seen.append((seconds, ok))
+    router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert len(seen) == 1 and seen[0][1] and 0 <= seen[0][0] < 1
+    assert router.decisions == {"prefix_hit": 1} and router.index_fallbacks == 0
 
 
 def test_index_down_falls_back_to_load() -> None:
@@ -55,7 +69,32 @@ def test_index_down_falls_back_to_load() -> None:
     router = KVAwareRouter(Down(), lambda: (BS, MODEL), local_prefill_threshold=8)
     r = router.route(RouteRequest("r", PROMPT), D, [p("p0", queued=50), p("p1")])
     assert r is not None and r.prefill == "p1:1"
-    assert router.decisions["index_fallback"] == 1
+    assert router.decisions == {"index_fallback": 1} and router.index_fallbacks == 1
+    short = router.route(RouteRequest("r", PROMPT[:4]), D, [p("p0"), p("p1")])
+    assert short is not None and short.prefill == ""  # prefilled locally, but the lookup still failed
+    assert router.decisions["local_prefill"] == 1 and router.index_fallbacks == 2
+
+
+def test_a_failing_index_is_not_asked_again_for_a_moment() -> None:
+    class Flaky(EmbeddedPrefixIndex):
+        calls = 0
+        down = True
+
+        def longest_prefix(self, block_hashes, worker_ids=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.down:
+                raise IndexUnavailable("timeout")
+            return {"p1": 8}
+
+    idx = Flaky()
+    router = KVAwareRouter(idx, lambda: (BS, MODEL), local_prefill_threshold=8, retry_after_s=0.05)
+    for _ in range(5):
+        router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert idx.calls == 1 and router.index_fallbacks == 5  # one timeout paid, not five
+    idx.down = False
+    time.sleep(0.06)
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert r is not None and r.prefill == "p1:1" and router.decisions["prefix_hit"] == 1
 
 
 def test_short_prompts_stay_local_and_round_robin_turns() -> None:
@@ -65,3 +104,4 @@ def test_short_prompts_stay_local_and_round_robin_turns() -> None:
     rr = RoundRobinRouter(8)
     picks = [rr.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")]) for _ in range(4)]
     assert [x.prefill for x in picks if x] == ["p0:1", "p1:1", "p0:1", "p1:1"]
+    assert rr.decisions == {"round_robin": 4}
