@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,72 @@ class SchedulerConfig:
             raise ValueError(f"policy: must be fcfs or priority, got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None  # ngram | draft | layerskip
+    """Speculative decoding, chosen per server.  method None: off.
+
+    ngram: prompt lookup over the request's own tokens (n-grams of
+    prompt_lookup_min..prompt_lookup_max).  draft: a small model with the
+    target's tokenizer (`model`).  layerskip: the target's first `num_layers`
+    layers plus its final norm and head.  adaptive: a request whose drafts keep
+    being rejected proposes fewer, then none (probing again now and then).
+    """
+
+    method: str | None = None
     num_speculative_tokens: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft: HF directory or .gguf file
+    num_layers: int | None = None  # layerskip: target layers used by the draft
+    adaptive: bool = True
+    # adaptive: below this acceptance rate (EMA) a request stops proposing...
+    min_acceptance_rate: float = 0.25
+    # ...except for one probe every probe_interval of its decode steps.
+    probe_interval: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method: must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: must be >= 1 and <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_config.model: the draft method needs a draft model path")
+        if self.method == "layerskip" and (self.num_layers is None or self.num_layers < 1):
+            raise ValueError(f"speculative_config.num_layers: layerskip needs num_layers >= 1, "
+                             f"got {self.num_layers!r}")
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"speculative_config.min_acceptance_rate: must be in [0, 1], "
+                             f"got {self.min_acceptance_rate}")
+        if self.probe_interval < 1:
+            raise ValueError(f"speculative_config.probe_interval: must be >= 1, got {self.probe_interval}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SpeculativeConfig:
+        """vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, ...}.
+        Unknown keys are an error, not silently ignored."""
+        if not d:
+            return cls()
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,20 @@ class KVCacheManager:
                                parent=hashes[done - 1] if done else None)
         self._num_hashed[req.request_id] = num_full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Roll back to the first num_tokens tokens: free the tail blocks that
+        hold none of them (rejected draft tokens).  Such blocks were never
+        registered in the prefix cache: only blocks full of the request's
+        accepted tokens are."""
+        blocks = self._blocks.get(req.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_hashed.get(req.request_id, 0) <= keep, "a cached block would be trimmed"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, [])
         self._num_hashed.pop(req.request_id, None)

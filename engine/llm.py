@@ -29,7 +29,9 @@ class LLM:
                  scheduling_policy: str = "fcfs", seed: int = 0, device: str = "auto",
                  num_threads: int | None = None, attention_backend: str = "auto",
                  speculative_config: dict[str, Any] | None = None) -> None:
-        spec = dict(speculative_config or {})
+        """speculative_config: vLLM's shape, e.g. {"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}."""
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
                               num_threads=num_threads, attention_backend=attention_backend),
@@ -39,9 +41,7 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len or 1 << 30,
                                       policy=scheduling_policy),  # type: ignore[arg-type]
-            speculative=SpeculativeConfig(method=spec.pop("method", None),
-                                          num_speculative_tokens=spec.pop("num_speculative_tokens", 0),
-                                          options=spec))
+            speculative=SpeculativeConfig.from_dict(speculative_config))
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

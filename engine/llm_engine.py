@@ -18,6 +18,11 @@ from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.decoder import (
+    SpeculativeDecoder,
+    check_speculative_config,
+    make_speculative_decoder,
+)
 
 
 class LLMEngine:
@@ -25,9 +30,11 @@ class LLMEngine:
         model_dir = resolve_model(config.model.model)
         self.model_id = model_name(config.model.model)
         self.tokenizer = load_tokenizer(model_dir)
+        hf_cfg = json.loads((model_dir / "config.json").read_text())
+        # Before the weights load: a configuration that cannot work fails fast.
+        draft_dir = check_speculative_config(config.speculative, hf_cfg, self.tokenizer)
         self.runner = ModelRunner(model_dir, config.model, config.cache)
         spec = self.runner.spec
-        hf_cfg = json.loads((model_dir / "config.json").read_text())
         max_len = min(config.scheduler.max_model_len, spec.max_position_embeddings)
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_len))
         self.vocab_size = spec.vocab_size
@@ -35,6 +42,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative.enabled:
+            self.spec = make_speculative_decoder(config.speculative, self.runner, draft_dir)
         self._rng = random.Random(config.model.seed)
         # Monotonic counters for metrics and tests.
         self.prompt_tokens_computed = 0
@@ -107,7 +117,7 @@ class LLMEngine:
 
     def remote_kv_landed(self, request_id: str, first_token: SampledToken) -> StepOutput:
         req = self.scheduler.remote_kv_landed(request_id, first_token)
-        return self._output(req, first_token)
+        return self._output(req, [first_token])
 
     def remote_kv_failed(self, request_id: str) -> None:
         self.scheduler.remote_kv_failed(request_id)
@@ -120,26 +130,56 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.release(request_id, finished=True)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan)
+        sampled = self.runner.execute(plan, self.spec.draft_probs if self.spec is not None else None)
         for seq in plan.seqs:
             prompt_end = min(seq.start + seq.num_new_tokens, seq.request.num_prompt_tokens)
             self.prompt_tokens_computed += max(0, prompt_end - seq.start)
-        self.generation_tokens += len(sampled)
+        before = {s.request.request_id: s.request.num_output_tokens for s in plan.seqs}
         changed = self.scheduler.update(plan, sampled)
-        return [self._output(req, sampled[req.request_id]) for req in changed]
+        outs = []
+        for req in changed:
+            # A stop condition may have cut the accepted tokens short.
+            toks = sampled[req.request_id][:req.num_output_tokens - before[req.request_id]]
+            self.generation_tokens += len(toks)
+            outs.append(self._output(req, toks))
+        if self.spec is not None:
+            self.spec.record(plan, sampled)
+            self._release_spec_state([s.request for s in plan.seqs] + plan.preempted)
+        return outs
 
-    def _output(self, req: Request, tok: SampledToken) -> StepOutput:
+    def _release_spec_state(self, reqs: list[Request]) -> None:
+        """Draft state (a draft model's KV blocks) goes with finished and
+        preempted requests; a preempted one catches up again when it resumes."""
+        assert self.spec is not None
+        for req in reqs:
+            if req.status.finished or req.status == RequestStatus.PREEMPTED:
+                self.spec.release(req.request_id, finished=req.status.finished)
+
+    def _output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
+        """One request's delta.  Tokens go to the detokenizer one at a time,
+        so a stop string ends the output at the same token as without
+        speculation."""
         detok = self._detok[req.request_id]
-        text = detok.push([tok.token_id])
+        text = ""
+        emitted: list[SampledToken] = []
+        for tok in toks:
+            emitted.append(tok)
+            text += detok.push([tok.token_id])
+            if detok.stop_reason is not None:
+                break
         if detok.stop_reason is not None and not req.status.finished:
             req.stop_reason = detok.stop_reason
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -147,11 +187,12 @@ class LLMEngine:
             text += detok.flush()
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = [self._position_logprobs(tok)]
-        out = StepOutput(req.request_id, [tok.token_id], text, logprobs,
+            logprobs = [self._position_logprobs(tok) for tok in emitted]
+        out = StepOutput(req.request_id, [t.token_id for t in emitted], text, logprobs,
                          finished=req.status.finished, finish_reason=req.status.finish_reason,
                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-                         num_cached_tokens=max(req.num_cached_tokens, 0))
+                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                         queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
         if req.status.finished:
             del self._detok[req.request_id]
         return out

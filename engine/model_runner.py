@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import glob
-import itertools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -15,9 +14,11 @@ import torch
 from engine.config import CacheConfig, ModelConfig
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel
+from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, inv_freq
 from engine.sampler import SampledToken, SamplingRow, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.spec_decode.rejection import VerifyItem, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -126,53 +127,55 @@ class ModelRunner:
         return paged_attention
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        for seq in seqs:
-            start, end = seq.start, seq.start + seq.num_new_tokens
-            ids += seq.request.all_token_ids[start:end]
-            pos += range(start, end)
-            table = seq.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            qsl.append(qsl[-1] + seq.num_new_tokens)
-        max_nb = max(len(s.block_ids) for s in seqs)
-        tables = [s.block_ids + [0] * (max_nb - len(s.block_ids)) for s in seqs]
-        seq_lens = [s.start + s.num_new_tokens for s in seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_lens=[s.num_new_tokens for s in seqs], seq_lens_host=seq_lens,
-            num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1))
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(pos, dtype=torch.int64, device=dev), meta)
+        return build_inputs([seq_chunk(s) for s in seqs], self.block_size, self.device)
 
     @torch.inference_mode()
     def forward_logits(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [S, V] float32 at the last query token of each sequence that samples."""
+        """Logits [S, V] float32 for each sequence that samples: at its last
+        known token, then at each of its draft tokens (1 + drafts rows)."""
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
-        ends = itertools.accumulate(meta.query_lens)
-        last = [end - 1 for end, s in zip(ends, seqs, strict=True) if s.sample]
-        return self.model.compute_logits(hidden[last])
+        rows: list[int] = []
+        end = 0
+        for s in seqs:
+            end += s.num_new_tokens
+            if s.sample:
+                rows += range(end - 1 - len(s.spec_token_ids), end)
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        # Decodes first: the attention path batches them.
-        seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)
+    def execute(self, out: SchedulerOutput, draft_probs: Mapping[str, torch.Tensor] | None = None,
+                ) -> dict[str, list[SampledToken]]:
+        """-> per sampling request, its new tokens: one, or when it verified
+        drafts, the accepted drafts and one more.  draft_probs: the proposal
+        distributions [k, V] of drafts that were sampled (not one-hot)."""
+        # Decodes and verifications first: the attention path batches them.
+        seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.spec_token_ids))
         logits = self.forward_logits(seqs)
-        sampling = [s.request for s in seqs if s.sample]
+        sampling = [s for s in seqs if s.sample]
         if not sampling:
             return {}
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.rng, r.eos_token_ids)
-                for r in sampling]
-        tokens = sample(logits, rows)
-        return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+        rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
+                            s.request.rng, s.request.eos_token_ids) for s in sampling]
+        if not any(s.spec_token_ids for s in sampling):
+            tokens = sample(logits, rows)
+            return {s.request.request_id: [t] for s, t in zip(sampling, tokens, strict=True)}
+        probs = draft_probs or {}
+        items = []
+        for s, row in zip(sampling, rows, strict=True):
+            q = probs.get(s.request.request_id)
+            k = len(s.spec_token_ids)
+            items.append(VerifyItem(row, s.spec_token_ids, None if q is None or not k else q[:k]))
+        emitted = rejection_sample(logits, items)
+        return {s.request.request_id: toks for s, toks in zip(sampling, emitted, strict=True)}
+
+
+def seq_chunk(seq: ScheduledSeq) -> Chunk:
+    """A scheduled sequence's query tokens: known tokens, then any drafts
+    (verified as one-token rows)."""
+    known_end = seq.start + seq.num_new_tokens - len(seq.spec_token_ids)
+    return Chunk(seq.request.all_token_ids[seq.start:known_end] + seq.spec_token_ids, seq.start,
+                 seq.block_ids, expand=bool(seq.spec_token_ids))
 
 
 def default_threads() -> int:

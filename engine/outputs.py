@@ -29,6 +29,7 @@ class StepOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time: float = 0.0  # seconds from arrival to first scheduled
 
 
 @dataclass

@@ -63,7 +63,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens not recomputed; set when first scheduled
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # monotonic; queue time ends here
         self.block_hashes: list[BlockHash] = []
+        # Draft tokens proposed for the next step (speculative decoding); the
+        # scheduler consumes them, so they never outlive one step.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

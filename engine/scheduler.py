@@ -5,12 +5,20 @@ tokens.  No I/O, no torch.  Each step serves the running requests first (one
 token each for decodes, the next chunk for partially prefilled prompts), then
 admits waiting requests into what is left of the token budget, so a long prompt
 delays running decodes by at most one chunk.
+
+Speculative decoding: a decoding request that carries draft tokens
+(`Request.spec_token_ids`, set by the engine's proposer) is scheduled for its
+last token plus the drafts, all verified in one forward.  update() appends the
+accepted tokens and rolls the rest back: num_computed_tokens rewinds and blocks
+left holding only rejected tokens are freed.  Drafts never cause a preemption:
+when the pool is short, the request is verified without them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +39,8 @@ class ScheduledSeq:
     num_new_tokens: int  # query tokens this step
     block_ids: list[int]
     sample: bool  # the chunk reaches the last known token: sample the next one
+    # Draft tokens verified after the last known token (their positions follow it).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -97,6 +107,7 @@ class Scheduler:
             return None
         req.num_computed_tokens = num_hit_tokens
         req.num_cached_tokens = num_hit_tokens
+        req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
         return self.kv.block_ids(req.request_id)
@@ -157,8 +168,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._take_drafts(req, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget) + len(drafts)
             while self.kv.allocate_slots(req, num_new) is None:
+                if drafts:  # speculation never preempts anyone
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 # Victim: lowest priority, then latest arrival (the list's tail).
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -166,7 +182,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(self._plan(req, num_new))
+                out.seqs.append(self._plan(req, num_new, drafts))
                 scheduled.add(req.request_id)
                 budget -= num_new
                 i += 1
@@ -193,21 +209,36 @@ class Scheduler:
             req.num_computed_tokens += num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.seqs.append(self._plan(req, num_new))
             budget -= num_new
 
-    def _plan(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _take_drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's drafts that fit this step: only for a decode, within
+        the token budget, and never past max_tokens or max_model_len (so the
+        blocks _check_fits promised always suffice)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return drafts[:max(room, 0)]
+
+    def _plan(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
+        drafts = drafts or []
         return ScheduledSeq(req, start, num_new, self.kv.block_ids(req.request_id),
-                            sample=start + num_new == req.num_tokens)
+                            sample=start + num_new - len(drafts) == req.num_tokens,
+                            spec_token_ids=drafts)
 
     def _preempt(self, req: Request) -> None:
         """Preempt by recompute: free the blocks, start over later (the prefix
         cache usually keeps most of them)."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -215,24 +246,43 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: Mapping[str, SampledLike]) -> list[Request]:
-        """Advance every scheduled request; append sampled tokens and finish
-        those that hit a stop condition.  Returns the requests with a new token."""
+    def update(self, out: SchedulerOutput,
+               sampled: Mapping[str, SampledLike | Sequence[SampledLike]]) -> list[Request]:
+        """Advance every scheduled request; append its sampled token (or, when
+        it verified drafts, the accepted drafts and the token after them) and
+        finish those that hit a stop condition.  Returns the requests with new
+        tokens."""
         changed = []
         for seq in out.seqs:
             req = seq.request
             if req.status.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
-            tok = sampled.get(req.request_id) if seq.sample else None
-            if tok is None:
+            got = sampled.get(req.request_id) if seq.sample else None
+            if got is None:
+                req.num_computed_tokens = seq.start + seq.num_new_tokens
                 continue
+            toks = list(got) if isinstance(got, Sequence) else [got]
+            self._append_tokens(seq, toks)
+            changed.append(req)
+        return changed
+
+    def _append_tokens(self, seq: ScheduledSeq, toks: list[SampledLike]) -> None:
+        """toks: the accepted drafts, then one sampled token.  The KV of the
+        accepted drafts is valid (it was computed from the right tokens); the
+        rejected drafts' KV is rolled back."""
+        req = seq.request
+        status = None
+        for tok in toks:
             req.append_output(tok.token_id)
             status = self._check_stop(req, tok.token_id)
             if status is not None:
-                self.finish(req, status)
-            changed.append(req)
-        return changed
+                break
+        num_rejected = len(seq.spec_token_ids) - (len(toks) - 1)
+        req.num_computed_tokens = min(seq.start + seq.num_new_tokens - num_rejected, req.num_tokens - 1)
+        if status is not None:
+            self.finish(req, status)
+        elif seq.spec_token_ids:
+            self.kv.trim(req, req.num_tokens)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         p = req.params

@@ -5,6 +5,8 @@
     splitserve chat      chat with the model in the terminal (offline engine)
     splitserve generate  complete one prompt
     splitserve bench offline   offline throughput vs Hugging Face static batching
+    splitserve bench serve     latency and throughput of any OpenAI-compatible server
+    splitserve export-hf DIR   the model as a Hugging Face directory (for transformers, vLLM)
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_offline(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.serve import main as bench_serve
+
+    return bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
     off.add_argument("--json", action="store_true", help="also print one JSON line")
     off.set_defaults(fn=cmd_bench)
+    from benchmarks.serve import add_serve_args
+    from services.export_hf import add_export_args, cmd_export_hf
+
+    srv = bsub.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
+    add_serve_args(srv)
+    srv.set_defaults(fn=cmd_bench_serve)
+    exp = sub.add_parser("export-hf", help="save the model as a Hugging Face directory")
+    add_export_args(exp)
+    exp.set_defaults(fn=cmd_export_hf)
     return parser
 
 

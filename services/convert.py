@@ -11,7 +11,7 @@ from protos import pb
 _OPTIONAL = ("n", "temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
              "skip_special_tokens")
 _PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
-          "include_stop_str_in_output")
+          "include_stop_str_in_output", "disable_speculation")
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -19,6 +19,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        disable_speculation=p.disable_speculation,
         stop=list(p.stop_strings), stop_token_ids=list(p.stop_token_ids or ()),
         logit_bias={int(k): float(v) for k, v in (p.logit_bias or {}).items()})
     for name in _OPTIONAL:

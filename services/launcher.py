@@ -14,6 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from services.affinity import format_cpu_list, plan_affinity, usable_cpus
+from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
+from services.tracing import add_tracing_args
+
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed", "num_blocks")
 
@@ -55,7 +59,13 @@ class Stack:
         a = self.args
         n_workers = a.prefill + a.decode
         threads = a.num_threads or max(1, (os.cpu_count() or 2) // n_workers)
-        common = [*engine_argv(a), "--num-threads", str(threads), "--host", a.host]
+        pinning = plan_affinity(a.cpu_affinity, a.prefill, a.decode, usable_cpus())
+        if pinning:
+            print("splitserve: pinning " + ", ".join(f"{name} to cpus {format_cpu_list(cpus)}"
+                                                    for name, cpus in pinning.items()), flush=True)
+        common = [*engine_argv(a), "--host", a.host]
+        if a.otlp_endpoint:
+            common += ["--otlp-endpoint", a.otlp_endpoint]
         pending = []
         for role, count in (("prefill", a.prefill), ("decode", a.decode)):
             for i in range(count):
@@ -63,9 +73,13 @@ class Stack:
                 ready = self.tmp / f"{name}.addr"
                 argv = [f"services.{role}", *common, "--worker-id", name, "--ready-file", str(ready),
                         "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
+                cpus = pinning.get(name)
+                argv += ["--num-threads", str(a.num_threads or (len(cpus) if cpus else threads))]
+                if cpus:
+                    argv += ["--cpus", format_cpu_list(cpus)]
                 if role == "decode":
                     argv += ["--local-prefill-threshold", str(a.local_prefill_threshold),
-                             "--kv-failure-policy", a.kv_failure_policy]
+                             "--kv-failure-policy", a.kv_failure_policy, *speculative_argv(a)]
                 pending.append((name, self._spawn(name, argv), ready))
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         for name, proc, ready in pending:
@@ -79,6 +93,8 @@ class Stack:
             argv += ["--model", a.model]
         if a.redis_url:
             argv += ["--redis-url", a.redis_url]
+        if a.otlp_endpoint:
+            argv += ["--otlp-endpoint", a.otlp_endpoint]
         frontend = self._spawn("frontend", argv)
         self._wait_http(frontend, f"http://{a.host}:{a.port}/health", a.start_timeout)
         return addrs
@@ -142,11 +158,22 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument("--start-timeout", type=float, default=300.0)
+    g.add_argument("--cpu-affinity", default="auto",
+                   help="pin workers to cores: auto (each worker its own cores when there are enough; "
+                        "1 prefill + 1 decode on 2 cores: cpu 0 and cpu 1), off, or e.g. "
+                        "'prefill=0-3;decode=4-15' (split among each role's workers)")
+    add_speculative_args(p)
+    add_tracing_args(p)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     if args.decode < 1 or args.prefill < 0:
         print("splitserve: --decode must be >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    try:
+        speculative_config_from_args(args)  # fail before starting anything
+    except ValueError as e:
+        print(f"splitserve: {e}", file=sys.stderr)
         return 2
     stack = Stack(args)
     try:

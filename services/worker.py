@@ -8,9 +8,10 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +22,11 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from protos import pb
 from services.engine_loop import EngineLoop
+from services.speculative_flags import add_speculative_args, speculative_config_from_args
+from services.tracing import Tracing, add_tracing_args
+
+if TYPE_CHECKING:
+    from services.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +45,33 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0: pick a free port)")
     g.add_argument("--ready-file", default=None, help="write 'grpc_address' here once serving")
+    if role == "decode":
+        add_speculative_args(p)
+    g.add_argument("--advertise-host", default=None,
+                   help="the host others reach this worker at (gRPC and UCX); default: --host, or this "
+                        "machine's address when --host is 0.0.0.0 (containers)")
+    g.add_argument("--redis-url", default=None,
+                   help="register this worker's address here, for frontends that discover workers")
+    g.add_argument("--cpus", default=None,
+                   help="pin this worker to these cores, e.g. 0-3,6 (torch threads default to their count)")
+    add_tracing_args(p)
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    config = EngineConfig(
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return str(args.advertise_host)
+    if args.host in ("0.0.0.0", "::", ""):
+        try:  # a container's name resolves to its address on the compose network
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            log.warning("cannot resolve this host's name; advertising 127.0.0.1 (set --advertise-host)")
+            return "127.0.0.1"
+    return str(args.host)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError naming the field."""
+    return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
                           num_threads=args.num_threads),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -50,8 +79,12 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len or 1 << 30,
-                                  policy=args.scheduling_policy))
-    return LLMEngine(config)
+                                  policy=args.scheduling_policy),
+        speculative=speculative_config_from_args(args))
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(engine_config(args))
 
 
 async def start_transport(engine: LLMEngine, args: argparse.Namespace, port: int):  # type: ignore[no-untyped-def]
@@ -60,8 +93,8 @@ async def start_transport(engine: LLMEngine, args: argparse.Namespace, port: int
     from kvtransfer.transport import KVTransport
 
     kv = engine.runner.kv_cache
-    transport = KVTransport(kv, KVLayout.from_cache(kv, engine.model_id), host=args.host, port=port,
-                            timeout_s=args.kv_transfer_timeout)
+    transport = KVTransport(kv, KVLayout.from_cache(kv, engine.model_id), host=advertise_host(args),
+                            port=port, timeout_s=args.kv_transfer_timeout)
     await transport.start()
     return transport
 
@@ -121,6 +154,8 @@ class WorkerState:
     metrics_url: str = ""
     extra_counters: Callable[[], dict[str, float]] | None = None
     cache_events: CacheEventLog = field(default_factory=CacheEventLog)
+    tracing: Tracing = field(default_factory=Tracing.off)
+    metrics: WorkerMetrics | None = None  # Prometheus; set up before serving
 
     def load(self) -> pb.LoadReport:
         eng = self.engine.engine
@@ -131,6 +166,7 @@ class WorkerState:
                     "num_preemptions": float(sched.num_preemptions),
                     "prefix_cache_queries": float(eng.kv.prefix_queries),
                     "prefix_cache_hits": float(eng.kv.prefix_hits)}
+        counters.update(spec_decode_counters(eng))
         if self.extra_counters is not None:
             counters.update(self.extra_counters())
         return pb.LoadReport(worker_id=self.worker_id, role=self.role, running=sched.num_running,
@@ -146,39 +182,19 @@ class WorkerState:
                              layout=layout_proto(eng), max_model_len=eng.max_model_len)
 
 
-class WorkerCollector:
-    """Prometheus view of a worker, read from its load report at scrape time
-    (nothing on the per-token path)."""
-
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        r = self.state.load()
-        labels = ["model_name", "worker_id", "role"]
-        values = [self.state.engine.engine.model_id, self.state.worker_id, self.state.role]
-        gauges = {"num_requests_running": r.running, "num_requests_waiting": r.waiting,
-                  "kv_cache_usage_perc": 1 - r.free_blocks / max(r.total_blocks, 1),
-                  "kv_cache_free_blocks": r.free_blocks, "kv_cache_total_blocks": r.total_blocks}
-        for name, value in gauges.items():
-            g = GaugeMetricFamily(f"splitserve_{name}", name.replace("_", " "), labels=labels)
-            g.add_metric(values, value)
-            yield g
-        for name, value in sorted(r.counters.items()):
-            c = CounterMetricFamily(f"splitserve_{name}", name.replace("_", " "), labels=labels)
-            c.add_metric(values, value)
-            yield c
+def spec_decode_counters(engine: LLMEngine) -> dict[str, float]:
+    stats = engine.spec.stats if engine.spec is not None else None
+    return {"spec_decode_num_drafts": float(stats.num_drafts if stats else 0),
+            "spec_decode_num_draft_tokens": float(stats.num_draft_tokens if stats else 0),
+            "spec_decode_num_accepted_tokens": float(stats.num_accepted_tokens if stats else 0)}
 
 
 def start_metrics(state: WorkerState, host: str, port: int) -> str:
-    from prometheus_client import CollectorRegistry, start_http_server
+    from services.worker_metrics import WorkerMetrics, start_metrics_server
 
-    registry = CollectorRegistry()
-    registry.register(WorkerCollector(state))  # type: ignore[arg-type]
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return f"http://{host}:{server.server_port}/metrics"
+    if state.metrics is None:
+        state.metrics = WorkerMetrics(state)
+    return start_metrics_server(state.metrics, host, port)
 
 
 class WorkerRPCs:
@@ -215,19 +231,40 @@ class WorkerRPCs:
         pass
 
 
+def pin_worker(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """Pins the process to --cpus before the engine starts its threads; the
+    flags with --num-threads defaulted to the number of those cores."""
+    from services.affinity import parse_cpu_list, pin_process
+
+    try:
+        cpus = parse_cpu_list(args.cpus)
+        pin_process(cpus)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"splitserve {role}: --cpus {args.cpus}: {e}") from None
+    log.info("pinned to cpus %s", args.cpus)
+    return argparse.Namespace(**{**vars(args), "num_threads": args.num_threads or len(cpus)})
+
+
 def run_worker(args: argparse.Namespace, role: str,
                make_servicer: Callable[[WorkerState, Any], Any],
                add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     """flags -> config -> engine (own thread) -> UCX transport -> gRPC server, until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    if args.cpus:
+        args = pin_worker(args, role)
+    try:
+        engine_config(args)  # bad configuration fails here, before anything starts
+    except ValueError as e:
+        raise SystemExit(f"splitserve {role}: {e}") from None
 
     async def amain() -> None:
         engine = build_engine(args)
         loop = EngineLoop(engine, asyncio.get_running_loop())
         loop.start()
         transport = await start_transport(engine, args, port=args.ucx_port)
-        state = WorkerState(role, args.worker_id or f"{role}-{os.getpid()}", loop,
-                            ucx_address=transport.address)
+        worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        state = WorkerState(role, worker_id, loop, ucx_address=transport.address,
+                            tracing=Tracing.start(f"splitserve-{role}", args.otlp_endpoint, worker_id))
         loop.on_cache_events = state.cache_events.append
         servicer = make_servicer(state, transport)
         state.extra_counters = lambda: numeric_fields(servicer.stats)
@@ -245,7 +282,7 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME,
                                          reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
-    state.grpc_address = f"{args.host}:{port}"
+    state.grpc_address = f"{advertise_host(args)}:{port}"
     state.metrics_url = start_metrics(state, args.host, args.metrics_port)
     await server.start()
     for name in [*service_names, ""]:
@@ -257,17 +294,27 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
         with open(tmp, "w") as f:
             f.write(state.grpc_address)
         os.replace(tmp, args.ready_file)
+    registration = None
+    if args.redis_url:
+        from services.discovery import Registration
+
+        registration = Registration(args.redis_url, state.engine.engine.model_id, state.role,
+                                    state.worker_id, state.grpc_address)
+        registration.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if registration is not None:  # frontends stop routing here before the server stops
+        await registration.stop()
     for name in [*service_names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=5)
     for fn in on_stop:
         await fn()
     state.engine.stop()
+    await asyncio.to_thread(state.tracing.shutdown)  # exports what is still queued
     from kvtransfer import shutdown_ucx
 
     shutdown_ucx()  # ucxx's notifier thread would otherwise keep the process alive

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -157,6 +157,23 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """A model made of this one's embedding, first num_layers layers, final
+        norm and head, sharing their weights (self-speculation: no new weights).
+        Its layers keep their indices 0..num_layers-1, so it runs over a KV
+        cache of num_layers layers."""
+        if not 1 <= num_layers < self.spec.num_layers:
+            raise ValueError(f"speculative_config.num_layers: must be in [1, {self.spec.num_layers - 1}] "
+                             f"for a {self.spec.num_layers}-layer model, got {num_layers}")
+        with torch.device("meta"):
+            draft = LlamaForCausalLM(replace(self.spec, num_layers=num_layers))
+        draft.embed_tokens = self.embed_tokens
+        draft.layers = nn.ModuleList(self.layers[:num_layers])
+        draft.norm = self.norm
+        draft.lm_head = self.lm_head
+        draft.inv_freq = self.inv_freq
+        return draft.eval()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face tensor names, fusing q/k/v and gate/up."""

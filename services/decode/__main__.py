@@ -9,13 +9,17 @@ from services.decode.servicer import DecodeServicer
 from services.worker import add_worker_args, run_worker
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve decode")
     add_worker_args(p, "decode")
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="prompts with fewer tokens than this are prefilled here")
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,9 @@ from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from protos import pb, pb_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.tracing import now_ns
 from services.worker import WorkerRPCs, WorkerState, layout_proto
+from services.worker_tracing import DecodeTrace
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,17 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold
         timings: dict[str, float] = {}
+        clock = self.state.metrics.clock(len(ids)) if self.state.metrics is not None else None
+        trace = None
+        if self.state.tracing.enabled:
+            trace = DecodeTrace(self.state.tracing, context.invocation_metadata(),
+                                worker_id=self.state.worker_id, request_id=rid, params=params,
+                                num_prompt_tokens=len(ids), remote=remote,
+                                max_batched_tokens=loop.engine.config.scheduler.max_num_batched_tokens)
         try:
             try:
                 if remote:
-                    first = await self._remote_prefill(rid, ids, params, request, context, timings)
+                    first = await self._remote_prefill(rid, ids, params, request, context, timings, trace)
                     if first is not None:
                         q.put_nowait(first)
                 else:
@@ -82,12 +91,22 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 if isinstance(out, BaseException):
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
                     return
+                if trace is not None:
+                    trace.token(out)
+                if clock is not None:
+                    clock.output(out)
+                    if out.finished:
+                        clock.finish(out.finish_reason or "stop")
                 yield self._response(out, remote, timings)
                 timings = {}
                 if out.finished:
                     finished = True
                     return
         finally:
+            if clock is not None:
+                clock.finish("abort")  # no-op when it finished
+            if trace is not None:
+                trace.end(None if finished else "ended before finishing (cancelled, deadline or error)")
             loop.close_stream(rid)
             if not finished:  # client went away, deadline, or error: free everything
                 await self.transport.cancel(rid)
@@ -124,8 +143,10 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
 
     async def _remote_prefill(self, rid: str, ids: list[int], params: SamplingParams,
                               request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext,
-                              timings: dict[str, float]) -> StepOutput | None:
+                              timings: dict[str, float],
+                              trace: DecodeTrace | None = None) -> StepOutput | None:
         t_start = time.monotonic()
+        queued_ns = now_ns() if trace is not None else 0
         try:
             block_ids, num_local = await self._reserve(rid, ids, params, request)
         except TimeoutError as e:
@@ -135,18 +156,22 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         landed = self.transport.expect(rid, block_ids[first_block:])
         t0 = time.monotonic()
         timings["reserve"] = t0 - t_start
+        if trace is not None:
+            trace.queued(queued_ns, len(block_ids) - first_block)
         try:
             resp = await self._prefill_stub(request.prefill_address).Prefill(
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
                                   priority=request.priority, cache_salt=request.cache_salt,
                                   kv_address=self.transport.address, dst_block_ids=block_ids,
                                   first_block=first_block, layout=layout_proto(loop.engine)),
-                timeout=self.transfer_timeout)
+                timeout=self.transfer_timeout, metadata=trace.metadata() if trace is not None else None)
             await asyncio.wait_for(landed, timeout=self.transfer_timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError, RuntimeError) as e:
             await self.transport.cancel(rid)  # after this, nothing more is written to the blocks
             self.stats.kv_transfer_failures += 1
             log.warning("remote prefill of %s via %s failed: %s", rid, request.prefill_address, e)
+            if trace is not None:
+                trace.kv_failed(str(e), recompute=self.failure_policy != "fail")
             if self.failure_policy == "fail":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"remote prefill failed: {e}")
             self.stats.kv_transfer_recomputes += 1
@@ -155,6 +180,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         self.stats.remote_prefills += 1
         self.stats.kv_bytes_received += resp.bytes_sent
         self.stats.kv_transfer_seconds += time.monotonic() - t0
+        if self.state.metrics is not None:
+            self.state.metrics.kv_transfer_seconds.observe(resp.transfer_seconds)
         ft = resp.first_token
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
         t_landed = time.monotonic()

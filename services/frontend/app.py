@@ -22,6 +22,7 @@ from services.frontend.router import LoadRouter, Router
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.workers import WorkerPool
 from services.index import open_index
+from services.tracing import Tracing
 
 log = logging.getLogger("splitserve.frontend")
 _HEALTH_POLL_S = 1.0
@@ -52,6 +53,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     index = open_index(model_name(config.model), config.redis_url)
     pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model),
                       index)
+    discovery = None
+    tracing = Tracing.start("splitserve-frontend", config.otlp_endpoint)
     try:
         starting = asyncio.create_task(pool.start(config.worker_wait_seconds))
         await asyncio.wait({starting, asyncio.create_task(stop.wait())},
@@ -59,16 +62,28 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         if stop.is_set():
             starting.cancel()
             return
-        fe = Frontend(config, tokenizer, pool, name, build_router(config, pool))
+        if config.discover_workers:  # the pool starts empty; workers come and go with their registrations
+            from services.discovery import Discovery
+
+            assert config.redis_url is not None
+            discovery = Discovery(config.redis_url, model_name(config.model), pool,
+                                  config.discovery_interval_seconds)
+            await discovery.refresh()
+            discovery.start()
+        fe = Frontend(config, tokenizer, pool, name, build_router(config, pool), tracing)
         await _serve(fe, config, stop)
     finally:
+        if discovery is not None:
+            await discovery.close()
         await pool.close()
+        await asyncio.to_thread(tracing.shutdown)  # exports what is still queued
 
 
 def build_router(config: FrontendConfig, pool: WorkerPool) -> Router:
     t = config.local_prefill_threshold
     if config.routing == "kv-aware" and pool.index is not None:
-        return KVAwareRouter(pool.index, pool.layout, t, config.queue_weight)
+        return KVAwareRouter(pool.index, pool.layout, t, config.queue_weight,
+                             request_cost=config.request_cost)
     if config.routing == "round-robin":
         return RoundRobinRouter(t)
     if config.routing == "random":

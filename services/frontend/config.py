@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.tracing import add_tracing_args
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -14,6 +16,8 @@ class FrontendConfig:
     grpc_port: int = 50051
     model: str | None = None  # HF directory or .gguf (for the tokenizer); None: the default model
     served_model_name: str | None = None  # None: the model's own name
+    # Worker addresses.  Both empty with a redis_url: the workers are discovered
+    # through their Redis registrations (services/discovery.py) instead.
     decode: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
     # Prompts shorter than this many tokens are prefilled on the decode worker itself.
@@ -29,10 +33,15 @@ class FrontendConfig:
     redis_url: str | None = None
     routing: str = "kv-aware"  # kv-aware | round-robin | random | load
     queue_weight: float = 1.0  # kv-aware: prefill queue cost per block, in blocks of recompute
+    request_cost: float = 2.0  # kv-aware: fixed cost of one queued prefill request, in blocks
+    max_migrations: int = 1  # times one stream may resume on another decode worker mid-generation
+    discovery_interval_seconds: float = 1.0
+    otlp_endpoint: str | None = None  # OTLP gRPC collector for traces; None: tracing off
 
     def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("decode: at least one decode worker address (host:port) is needed")
+        if not self.decode and (self.prefill or self.redis_url is None):
+            raise ValueError("decode: at least one decode worker address (host:port) is needed, "
+                             "or none of either role and a redis_url to discover them")
         for address in (*self.decode, *self.prefill):
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
@@ -41,8 +50,17 @@ class FrontendConfig:
             raise ValueError("local_prefill_threshold: must be >= 0")
         if self.routing not in ("kv-aware", "round-robin", "random", "load"):
             raise ValueError(f"routing: must be kv-aware, round-robin, random or load, got {self.routing!r}")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations: must be >= 0")
         if self.load_interval_seconds <= 0:
             raise ValueError("load_interval: must be > 0")
+        if self.discovery_interval_seconds <= 0:
+            raise ValueError("discovery_interval: must be > 0")
+
+    @property
+    def discover_workers(self) -> bool:
+        """No worker addresses given: find them in Redis."""
+        return not self.decode
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -59,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF model directory or .gguf file, for the tokenizer "
                         "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's)")
-    p.add_argument("--decode", type=_addresses, required=True,
-                   help="decode workers: host:port[,host:port...]")
+    p.add_argument("--decode", type=_addresses, default=(),
+                   help="decode workers: host:port[,host:port...] (none: discover them, see --redis-url)")
     p.add_argument("--prefill", type=_addresses, default=(), help="prefill workers: host:port[,host:port...]")
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="prompts with fewer tokens are prefilled on the decode worker")
@@ -73,11 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--redis-url", default=None,
-                   help="Redis for the cluster prefix index (default: embedded in this process)")
+                   help="Redis for the cluster prefix index (default: embedded in this process); "
+                        "without --decode/--prefill, also where workers register (discovery)")
+    p.add_argument("--discovery-interval", type=float, default=1.0,
+                   help="seconds between reads of the workers' Redis registrations")
     p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
                    help="how prefill workers are picked (decode workers: by load)")
     p.add_argument("--queue-weight", type=float, default=1.0,
                    help="kv-aware: cost of one block of queued prefill, in blocks of recompute")
+    p.add_argument("--request-cost", type=float, default=2.0,
+                   help="kv-aware: what one queued prefill request costs whatever its cache hit "
+                        "(a step, sampling, sending its KV), in blocks of recompute")
+    p.add_argument("--max-migrations", type=int, default=1,
+                   help="times a stream may resume on another decode worker when its own dies mid-stream "
+                        "(0: fail the request instead)")
+    add_tracing_args(p)
     return p
 
 
@@ -89,4 +117,6 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         local_prefill_threshold=args.local_prefill_threshold, worker_wait_seconds=args.worker_wait,
         load_interval_seconds=args.load_interval, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
-        redis_url=args.redis_url, routing=args.routing, queue_weight=args.queue_weight)
+        redis_url=args.redis_url, routing=args.routing, queue_weight=args.queue_weight,
+        max_migrations=args.max_migrations, request_cost=args.request_cost,
+        discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from typing import Any
@@ -16,19 +17,21 @@ from services.frontend.router import LoadRouter, Router
 from services.frontend.runner import RequestRun
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.workers import WorkerPool
+from services.tracing import Carrier, Tracing
 
 
 class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, pool: WorkerPool, model_name: str,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.off()
         self.model_name = model_name
         self.pool = pool
         router = router or LoadRouter(config.local_prefill_threshold)
-        self.metrics = Metrics(pool, router)
+        self.metrics = Metrics(pool, router, model_name, f"frontend-{socket.gethostname()}-{config.port}")
         if hasattr(router, "observe_lookup"):
             router.observe_lookup = self.metrics.observe_lookup
-        self.dispatcher = Dispatcher(pool, router, self.metrics)
+        self.dispatcher = Dispatcher(pool, router, self.metrics, config.max_migrations)
         self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
         self.created = int(time.time())
         self.active: set[RequestRun] = set()
@@ -37,8 +40,14 @@ class Frontend:
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def start(self, plan: Plan, endpoint: str, arrival: float) -> RequestRun:
-        return RequestRun(plan, self.dispatcher, self.metrics, endpoint, arrival, self.active)
+    def start(self, plan: Plan, endpoint: str, arrival: float, carrier: Carrier | None = None) -> RequestRun:
+        """carrier: the client's headers or gRPC metadata (a `traceparent` continues its trace)."""
+        trace = None
+        if self.tracing.enabled:
+            from services.frontend.request_trace import RequestTrace
+
+            trace = RequestTrace(self.tracing, plan, endpoint, self.model_name, arrival, carrier)
+        return RequestRun(plan, self.dispatcher, self.metrics, endpoint, arrival, self.active, trace)
 
     async def drain(self, grace_seconds: float) -> None:
         """Shutdown: give requests in flight `grace_seconds` to finish, then end the

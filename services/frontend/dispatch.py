@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -21,6 +22,10 @@ from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
 from services.frontend.router import Router, RouteRequest
 from services.frontend.workers import Worker, WorkerPool
+from services.tracing import now_ns
+
+if TYPE_CHECKING:
+    from services.frontend.request_trace import RequestTrace
 
 log = logging.getLogger("splitserve.frontend.dispatch")
 MAX_ATTEMPTS = 2  # the first decode worker, then one other
@@ -64,6 +69,25 @@ def plan_jobs(plan: Plan) -> list[Job]:
     return jobs
 
 
+def resume(job: Job, relayed: list[int], migration: int) -> Job | None:
+    """The rest of `job` after `relayed` tokens went out: those tokens join the
+    prompt (the prefix cache makes re-prefilling them cheap) and the token
+    budget shrinks by as many.  None when nothing is left to generate.
+
+    Greedy output continues exactly as it would have.  Sampled output stays
+    a valid sample, though not the undisturbed run's: the new worker's RNG
+    starts from the seed again, and penalties count the relayed tokens as
+    prompt."""
+    p = job.params
+    n = len(relayed)
+    if p.max_tokens is not None and p.max_tokens - n < 1:
+        return None
+    params = dataclasses.replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
+                                 min_tokens=max(0, p.min_tokens - n))
+    return dataclasses.replace(job, prompt_token_ids=[*job.prompt_token_ids, *relayed], params=params,
+                               request_id=f"{job.request_id}-m{migration}")
+
+
 class _WorkerFailed(Exception):
     def __init__(self, error: errors.APIError, retryable: bool) -> None:
         super().__init__(error.message)
@@ -72,71 +96,112 @@ class _WorkerFailed(Exception):
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, router: Router, metrics: Metrics) -> None:
+    def __init__(self, pool: WorkerPool, router: Router, metrics: Metrics, max_migrations: int = 1) -> None:
         self.pool = pool
         self.router = router
         self.metrics = metrics
+        self.max_migrations = max_migrations
 
     def check_available(self) -> None:
         if not self.pool.healthy("decode"):
             raise errors.no_worker()
 
-    def stream(self, plan: Plan) -> FanOut:
-        return FanOut([(job.index, self.call(job)) for job in plan_jobs(plan)])
+    def stream(self, plan: Plan, trace: RequestTrace | None = None) -> FanOut:
+        return FanOut([(job.index, self.call(job, trace)) for job in plan_jobs(plan)])
 
-    async def call(self, job: Job) -> AsyncIterator[pb.WorkerGenerateResponse]:
-        """Relay one choice's worker stream; on a failure before its first token,
-        try once more on another decode worker."""
+    async def call(self, job: Job,
+                   trace: RequestTrace | None = None) -> AsyncIterator[pb.WorkerGenerateResponse]:
+        """Relay one choice's worker stream.  A decode worker that fails before
+        the first token: try once more on another.  One that dies or stops
+        answering mid-stream: resume there with the prompt plus the tokens
+        already relayed (at most `max_migrations` times), so the client's
+        stream goes on with no token lost or repeated."""
         tried: list[str] = []
-        for attempt in range(MAX_ATTEMPTS):
-            decode, prefill = self._route(job, exclude=tried)
+        relayed: list[int] = []  # this choice's tokens the client has
+        attempts = migrations = 0
+        current = job
+        while True:
+            attempts += 1
+            decode, prefill, prefill_tokens = self._route(current, exclude=tried, trace=trace,
+                                                          attempt=attempts)
             tried.append(decode.address)
-            started = False
             try:
-                async for msg in self._call_worker(decode, prefill, job):
-                    started = True
+                async for msg in self._call_worker(decode, prefill, current, trace, prefill_tokens):
+                    if current is not job:  # usage speaks of the client's prompt, not the resumed one
+                        msg.prompt_tokens = len(job.prompt_token_ids)
+                    relayed.extend(msg.token_ids)
                     yield msg
                 return
             except _WorkerFailed as e:
                 self.metrics.worker_failures.labels(decode.worker_id, e.error.code or "error").inc()
-                others = self.pool.healthy("decode", exclude=tried)
-                if started or not e.retryable or attempt + 1 == MAX_ATTEMPTS or not others:
+                if trace is not None:
+                    trace.worker_failed(decode, e.error.code or "error", e.error.message)
+                if not e.retryable or not self.pool.healthy("decode", exclude=tried):
                     raise e.error from None
-                log.warning("request %s: decode worker %s failed before its first token (%s); "
-                            "retrying on another", job.request_id, decode.worker_id, e.error.message)
-                self.metrics.worker_retries.labels(e.error.code or "error").inc()
+                if not relayed:
+                    if attempts >= MAX_ATTEMPTS:
+                        raise e.error from None
+                    log.warning("request %s: decode worker %s failed before its first token (%s); "
+                                "retrying on another", job.request_id, decode.worker_id, e.error.message)
+                    self.metrics.worker_retries.labels(e.error.code or "error").inc()
+                    continue
+                if migrations >= self.max_migrations:
+                    raise e.error from None
+                migrations += 1
+                resumed = resume(job, relayed, migrations)
+                if resumed is None:  # every token was out: only the finish was lost
+                    yield pb.WorkerGenerateResponse(finish_reason="length",
+                                                    prompt_tokens=len(job.prompt_token_ids))
+                    return
+                log.warning("request %s: decode worker %s failed after %d tokens (%s); resuming on another",
+                            job.request_id, decode.worker_id, len(relayed), e.error.message)
+                self.metrics.requests_migrated.inc()
+                current = resumed
 
-    def _route(self, job: Job, exclude: list[str]) -> tuple[Worker, Worker | None]:
+    def _route(self, job: Job, exclude: list[str], trace: RequestTrace | None = None,
+               attempt: int = 1) -> tuple[Worker, Worker | None, int]:
+        """(decode worker, prefill worker or None, prompt tokens the prefill worker will compute)."""
+        start_ns = now_ns() if trace is not None else 0
         decodes = self.pool.healthy("decode", exclude=exclude)
         prefills = self.pool.healthy("prefill")
         route = self.router.route(RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt),
                                   [w.snapshot() for w in decodes], [w.snapshot() for w in prefills])
         if route is None:
+            if trace is not None:
+                trace.route(start_ns, attempt, None, None, len(job.prompt_token_ids))
             raise errors.no_worker()
         prefill = self.pool.prefills.get(route.prefill) if route.prefill else None
         decode = self.pool.decodes[route.decode]
         for w in (decode, prefill):
             if w is not None:
                 w.routed += 1
-        return decode, prefill
+        if trace is not None:
+            trace.route(start_ns, attempt, decode, prefill, len(job.prompt_token_ids))
+        expected = len(job.prompt_token_ids) if route.prefill_tokens is None else route.prefill_tokens
+        return decode, prefill, expected
 
-    async def _call_worker(self, decode: Worker, prefill: Worker | None,
-                           job: Job) -> AsyncIterator[pb.WorkerGenerateResponse]:
-        num_prompt = len(job.prompt_token_ids)
+    async def _call_worker(self, decode: Worker, prefill: Worker | None, job: Job,
+                           trace: RequestTrace | None = None,
+                           prefill_tokens: int = 0) -> AsyncIterator[pb.WorkerGenerateResponse]:
+        """prefill_tokens: what the prefill worker is expected to compute (its
+        queue as the router sees it, until the first token comes back)."""
         decode.inflight += 1
         if prefill is not None:
-            prefill.inflight_prompt_tokens += num_prompt
-        call = decode.stub.Generate(job.to_proto(prefill.address if prefill else ""))
+            prefill.inflight += 1
+            prefill.inflight_prompt_tokens += prefill_tokens
+        call = decode.stub.Generate(job.to_proto(prefill.address if prefill else ""),
+                                    metadata=trace.metadata() if trace is not None else None)
         finished = False
         try:
-            async for msg in call:
+            async for msg in _watched(call, decode):
                 if prefill is not None:  # the prompt is done once anything comes back
-                    prefill.inflight_prompt_tokens -= num_prompt
+                    prefill.inflight -= 1
+                    prefill.inflight_prompt_tokens -= prefill_tokens
                     prefill = None
-                if msg.finish_reason in ("error", "abort"):
+                if msg.finish_reason in ("error", "abort"):  # its tokens are not relayed
                     raise _WorkerFailed(errors.APIError(
                         503, f"worker: the request ended with {msg.finish_reason} on {decode.worker_id}",
-                        None, msg.finish_reason), retryable=not msg.token_ids)
+                        None, msg.finish_reason), retryable=True)
                 finished = bool(msg.finish_reason)
                 yield msg
                 if finished:
@@ -152,7 +217,30 @@ class Dispatcher:
             call.cancel()  # no-op when the call is done; else the worker aborts the request
             decode.inflight -= 1
             if prefill is not None:
-                prefill.inflight_prompt_tokens -= num_prompt
+                prefill.inflight -= 1
+                prefill.inflight_prompt_tokens -= prefill_tokens
+
+
+_WATCH_S = 1.0  # how often a quiet stream checks that its worker still reports
+
+
+async def _watched(call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
+                   decode: Worker) -> AsyncIterator[pb.WorkerGenerateResponse]:
+    """The call's messages; if its worker stops answering (no message, and its
+    load reports have stopped too), fail the call instead of waiting forever.
+    A long prefill is quiet too, but its worker keeps reporting."""
+    while True:
+        read = asyncio.ensure_future(call.read())
+        while not (await asyncio.wait({read}, timeout=_WATCH_S))[0]:
+            if not decode.healthy:
+                read.cancel()
+                raise _WorkerFailed(errors.APIError(
+                    503, f"worker: {decode.worker_id} stopped answering mid-stream", None,
+                    "worker_unresponsive"), retryable=True)
+        msg = read.result()
+        if msg is grpc.aio.EOF:
+            return
+        yield msg
 
 
 _DONE = object()

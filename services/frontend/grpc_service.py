@@ -34,7 +34,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except APIError as e:
             fe.metrics.requests.labels(ENDPOINT, str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
-        run = fe.start(plan, ENDPOINT, arrival)
+        run = fe.start(plan, ENDPOINT, arrival, context.invocation_metadata())
         status = CLIENT_CLOSED
         try:
             async for _, event in run.events():

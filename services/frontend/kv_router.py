@@ -18,18 +18,22 @@ log = logging.getLogger("splitserve.frontend.router")
 
 
 class KVAwareRouter(LoadRouter):
-    """Prefill: cost = (prompt blocks the worker lacks) + (its queued prompt
-    tokens / block size) x queue_weight, lowest wins.  Decode: LoadRouter's
-    order, with the decode worker's own prefix hit as the tie-breaker (a hit
-    there means fewer blocks to send).  If the index fails: load only."""
+    """Prefill: cost = (prompt blocks the worker lacks) + queue_weight x (its
+    queue: prompt tokens still to compute / block size, plus request_cost
+    blocks per queued request for what every request costs whatever its
+    cache hit: a step, sampling, sending its KV), lowest wins.  Decode:
+    LoadRouter's order, with the decode worker's own prefix hit as the
+    tie-breaker (a hit there means fewer blocks to send).  If the index
+    fails: load only."""
 
     def __init__(self, index: PrefixIndex, layout: Callable[[], tuple[int, str] | None],
                  local_prefill_threshold: int = 64, queue_weight: float = 1.0,
-                 retry_after_s: float = 0.5) -> None:
+                 retry_after_s: float = 0.5, request_cost: float = 2.0) -> None:
         super().__init__(local_prefill_threshold)
         self.index = index
         self.layout = layout  # () -> (block_size, model_id) once the workers have said
         self.queue_weight = queue_weight
+        self.request_cost = request_cost
         self.index_fallbacks = 0  # routes made without the index because it failed
         # After a failed lookup the index is left alone for a moment: a slow store
         # would otherwise cost its timeout on every request (the lookup runs on
@@ -62,9 +66,10 @@ class KVAwareRouter(LoadRouter):
             return Route(decode.address)
 
         def cost(w: WorkerLoad) -> tuple[float, str]:
-            queued = max(w.queued_prompt_tokens, w.inflight_prompt_tokens)
-            return (len(hashes) - hits.get(w.worker_id, 0)
-                    + queued / block_size * self.queue_weight, w.address)
+            queued_tokens = max(w.queued_prompt_tokens, w.inflight_prompt_tokens)
+            queued_requests = max(w.running + w.waiting, w.inflight)
+            queue = queued_tokens / block_size + queued_requests * self.request_cost
+            return len(hashes) - hits.get(w.worker_id, 0) + queue * self.queue_weight, w.address
 
         prefill = min(prefills, key=cost)
         best_hit = max(hits.get(w.worker_id, 0) for w in prefills)
@@ -72,7 +77,8 @@ class KVAwareRouter(LoadRouter):
         # load_over_affinity: a worker holding more of the prefix was too busy.
         reason = "load_over_affinity" if hit < best_hit else "prefix_hit" if hit else "load"
         self.decisions[reason] += 1
-        return Route(decode.address, prefill.address)
+        return Route(decode.address, prefill.address,
+                     prefill_tokens=len(request.prompt_token_ids) - hit * block_size)
 
     def _by_load(self, decodes: Sequence[WorkerLoad], prefills: Sequence[WorkerLoad],
                  reason: str) -> Route | None:

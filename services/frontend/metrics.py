@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.frontend.router import Router
 from services.frontend.workers import WorkerPool
+from services.worker_metrics import LABELS, LATENCY_BUCKETS, TOKEN_BUCKETS
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+if TYPE_CHECKING:
+    from services.frontend.results import Usage
+
 _LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -54,36 +59,60 @@ class _WorkerCollector(Collector):
 class _RouterCollector(Collector):
     """The router's decision counts, read at scrape time (the router stays pure)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, labels: list[str]) -> None:
         self.router = router
+        self.labels = labels
 
     def collect(self):  # type: ignore[no-untyped-def]
         decisions = CounterMetricFamily("splitserve_router_decisions",
-                                        "prefill routing decisions by what decided them", labels=["reason"])
+                                        "prefill routing decisions by what decided them",
+                                        labels=[*LABELS, "reason"])
         for reason, count in sorted(getattr(self.router, "decisions", {}).items()):
-            decisions.add_metric([reason], count)
+            decisions.add_metric([*self.labels, reason], count)
         fallbacks = CounterMetricFamily("splitserve_index_fallbacks",
-                                        "prefix-index lookups that failed, so load alone routed")
-        fallbacks.add_metric([], getattr(self.router, "index_fallbacks", 0))
+                                        "routes made on load alone because the prefix index failed",
+                                        labels=LABELS)
+        fallbacks.add_metric(self.labels, getattr(self.router, "index_fallbacks", 0))
         yield from (decisions, fallbacks)
 
 
 class Metrics:
-    def __init__(self, pool: WorkerPool | None = None, router: Router | None = None) -> None:
+    """The vLLM-named request metrics carry model_name, worker_id (this
+    frontend) and role="frontend"; the per-worker views carry the worker's."""
+
+    def __init__(self, pool: WorkerPool | None = None, router: Router | None = None,
+                 model_name: str = "", frontend_id: str = "frontend") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("splitserve_frontend_requests", "finished requests",
+        base = [model_name, frontend_id, "frontend"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
+            h = Histogram(f"splitserve_{name}", doc, [*LABELS, *extra], buckets=buckets, registry=r)
+            return h if extra else h.labels(*base)
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            c = Counter(f"splitserve_{name}", doc, [*LABELS, *extra], registry=r)
+            return c if extra else c.labels(*base)
+
+        self.base = base
+        self.requests = Counter("splitserve_frontend_requests", "finished requests by HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("splitserve_time_to_first_token_seconds",
-                              "arrival to first token of the first choice", ["endpoint"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "arrival to last token",
-                             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("splitserve_prompt_tokens", "prompt tokens of finished requests",
-                                     registry=r)
-        self.generation_tokens = Counter("splitserve_generation_tokens", "generated tokens", registry=r)
-        self.cached_tokens = Counter("splitserve_cached_prompt_tokens",
-                                     "prompt tokens the workers did not recompute", registry=r)
+        self._ttft = histogram("time_to_first_token_seconds", "arrival to first token of the first choice",
+                               LATENCY_BUCKETS, "endpoint")
+        self._e2e = histogram("e2e_request_latency_seconds", "arrival to last token", LATENCY_BUCKETS,
+                              "endpoint")
+        self.itl = histogram("inter_token_latency_seconds", "between two outputs of one choice",
+                             LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "prompt tokens per request",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "generated tokens per request", TOKEN_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "tokens generated for finished requests")
+        self.cached_tokens = counter("cached_prompt_tokens", "prompt tokens the workers did not recompute")
+        self._success = counter("request_success", "finished choices by finish reason", "finished_reason")
+        self.requests_migrated = counter("requests_migrated",
+                                         "streams resumed on another decode worker mid-generation")
         self.in_flight = Gauge("splitserve_frontend_requests_in_flight", "requests being served",
                                registry=r)
         self.worker_retries = Counter("splitserve_worker_retries",
@@ -99,7 +128,21 @@ class Metrics:
         if pool is not None:
             r.register(_WorkerCollector(pool))
         if router is not None:
-            r.register(_RouterCollector(router))
+            r.register(_RouterCollector(router, base))
+
+    def ttft(self, endpoint: str, seconds: float) -> None:
+        self._ttft.labels(*self.base, endpoint).observe(seconds)
+
+    def finished(self, endpoint: str, seconds: float, usage: Usage, reasons: list[str]) -> None:
+        """A request answered in full (status 200)."""
+        self._e2e.labels(*self.base, endpoint).observe(seconds)
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.cached_tokens.inc(usage.cached_tokens)
+        self.request_prompt_tokens.observe(usage.prompt_tokens)
+        self.request_generation_tokens.observe(usage.completion_tokens)
+        for reason in reasons:
+            self._success.labels(*self.base, reason).inc()
 
     def observe_lookup(self, seconds: float, ok: bool) -> None:
         self.index_lookups.labels("ok" if ok else "error").inc()

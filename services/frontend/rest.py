@@ -130,7 +130,7 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
     except APIError as e:
         fe.metrics.requests.labels(endpoint, str(e.status)).inc()
         return error_response(e)
-    run = fe.start(plan, endpoint, arrival)
+    run = fe.start(plan, endpoint, arrival, request.headers)
     env = fmt.Envelope(request_id, int(time.time()), fe.model_name)
     if plan.stream:
         return await _stream(request, run, env, chat)

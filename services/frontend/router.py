@@ -41,6 +41,7 @@ class RouteRequest:
 class Route:
     decode: str  # decode worker address
     prefill: str = ""  # prefill worker address; empty: the decode worker prefills locally
+    prefill_tokens: int | None = None  # prompt tokens the prefill worker is expected to compute; None: all
 
 
 class Router(Protocol):

@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from services.frontend.dispatch import Dispatcher, Event
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
 from services.frontend.results import Choice, Results
 
+if TYPE_CHECKING:
+    from services.frontend.request_trace import RequestTrace
+
 CLIENT_CLOSED = "499"  # nginx's status for "the client went away"; only a metrics label
 
 
 class RequestRun:
     def __init__(self, plan: Plan, dispatcher: Dispatcher, metrics: Metrics, endpoint: str,
-                 arrival: float, active: set[RequestRun]) -> None:
+                 arrival: float, active: set[RequestRun], trace: RequestTrace | None = None) -> None:
         self.plan = plan
+        self.trace = trace  # None: tracing is off
         self.results = Results(plan)
         self.metrics = metrics
         self.endpoint = endpoint
         self.arrival = arrival
         self._first_token = False
-        self._fanout = dispatcher.stream(plan)
+        self._last_output: dict[int, float] = {}  # choice -> when its last message came
+        self._fanout = dispatcher.stream(plan, trace)
         metrics.in_flight.inc()
         self._open = True
         self._active = active
@@ -33,7 +39,14 @@ class RequestRun:
         async for event in self._fanout:
             if not self._first_token:
                 self._first_token = True
-                self.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.arrival)
+                self.metrics.ttft(self.endpoint, time.monotonic() - self.arrival)
+                if self.trace is not None:
+                    self.trace.first_token()
+            now = time.monotonic()
+            last = self._last_output.get(event.index)
+            if last is not None:
+                self.metrics.itl.observe(now - last)
+            self._last_output[event.index] = now
             yield self.results.add(event), event
 
     async def collect(self) -> Results:
@@ -54,9 +67,8 @@ class RequestRun:
         self._fanout.cancel()
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(self.endpoint, status).inc()
+        if self.trace is not None:
+            self.trace.finish(status, self.results)
         if status == "200":
-            usage = self.results.usage()
-            self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.arrival)
-            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
-            self.metrics.generation_tokens.inc(usage.completion_tokens)
-            self.metrics.cached_tokens.inc(usage.cached_tokens)
+            self.metrics.finished(self.endpoint, time.monotonic() - self.arrival, self.results.usage(),
+                                  [c.finish_reason or "stop" for c in self.results.choices])

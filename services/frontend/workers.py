@@ -29,6 +29,7 @@ _CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout
                     ("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20)]
 _INFO_TIMEOUT_S = 2.0
+_RETIRE_WAIT_S = 60.0  # a removed worker's channel stays open this long for requests still on it
 _MAX_BACKOFF_S = 2.0
 
 
@@ -191,8 +192,11 @@ class WorkerPool:
     def __init__(self, decode: Iterable[str], prefill: Iterable[str], interval: float = 0.2,
                  model_id: str | None = None, index: PrefixIndex | None = None) -> None:
         self.index = index
+        self.interval = interval
+        self.model_id = model_id
         self.decodes = {a: Worker(a, "decode", interval, model_id, index) for a in decode}
         self.prefills = {a: Worker(a, "prefill", interval, model_id, index) for a in prefill}
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def layout(self) -> tuple[int, str] | None:
         """(block size, model id) as the workers reported them, for block hashes."""
@@ -220,7 +224,32 @@ class WorkerPool:
             return False
 
     async def close(self) -> None:
+        for t in self._retiring:
+            t.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         await asyncio.gather(*(w.close() for w in self.all))
+
+    def sync(self, role: Role, addresses: set[str]) -> None:
+        """Discovery: make `role`'s workers exactly `addresses`.  New ones start
+        being watched; gone ones leave routing now and close once idle."""
+        workers = self.decodes if role == "decode" else self.prefills
+        for address in sorted(addresses - workers.keys()):
+            log.info("discovered %s worker at %s", role, address)
+            w = workers[address] = Worker(address, role, self.interval, self.model_id, self.index)
+            w.start()
+        for address in sorted(workers.keys() - addresses):
+            log.info("%s worker at %s deregistered", role, address)
+            task = asyncio.create_task(self._retire(workers.pop(address)), name=f"retire {address}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, w: Worker) -> None:
+        deadline = time.monotonic() + _RETIRE_WAIT_S
+        while w.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await w.close()
+        if all(other.worker_id != w.worker_id for other in self.all):  # not back at a new address
+            await w._forget_in_index()
 
     def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
         skip = set(exclude)

@@ -9,11 +9,15 @@ from services.prefill.servicer import PrefillServicer
 from services.worker import add_worker_args, run_worker
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve prefill")
     add_worker_args(p, "prefill")
     p.add_argument("--fault-send-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

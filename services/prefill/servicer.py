@@ -13,7 +13,9 @@ import grpc
 
 from protos import pb, pb_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.tracing import now_ns
 from services.worker import WorkerRPCs, WorkerState, layout_proto
+from services.worker_tracing import PrefillTrace
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
         ids = list(request.prompt_token_ids)
+        trace = None
+        if self.state.tracing.enabled:
+            trace = PrefillTrace(self.state.tracing, context.invocation_metadata(),
+                                 worker_id=self.state.worker_id, request_id=rid, num_prompt_tokens=len(ids))
+        answered = False
+        clock = self.state.metrics.clock(len(ids)) if self.state.metrics is not None else None
         q = loop.open_stream(rid)
         t0 = time.monotonic()
         try:
@@ -71,6 +79,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
                 raise out  # abort() raises; this keeps the type checker informed
             prefill_s = time.monotonic() - t0
+            if clock is not None:  # token 1 is the decode worker's to count
+                clock.output(out, count_tokens=False)
+            if trace is not None:
+                trace.prefilled(trace.start_ns, out.num_cached_tokens,
+                                loop.engine.config.scheduler.max_num_batched_tokens)
             src = await loop.call(lambda e: e.held_block_ids(rid))
             first = request.first_block
             dst = list(request.dst_block_ids)
@@ -78,16 +91,24 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"dst_block_ids: {len(dst)} blocks for a prompt of {len(src)}")
             t1 = time.monotonic()
+            t1_ns = now_ns() if trace is not None else 0
             if self.fault_send_delay:
                 await asyncio.sleep(self.fault_send_delay)
             try:
                 nbytes = await self.transport.send(request.kv_address, rid, src[first:], dst[first:])
             except Exception as e:  # noqa: BLE001 - any transport failure is the decode side's to handle
                 self.stats.transfer_failures += 1
+                if trace is not None:
+                    trace.sent(t1_ns, request.kv_address, len(src) - first, 0, error=str(e))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             self.stats.prefills += 1
             self.stats.blocks_sent += len(src) - first
             self.stats.bytes_sent += nbytes
+            if self.state.metrics is not None:
+                self.state.metrics.kv_transfer_seconds.observe(time.monotonic() - t1)
+            if trace is not None:
+                trace.sent(t1_ns, request.kv_address, len(src) - first, nbytes)
+            answered = True
             token = out.new_token_ids[0]
             first_token = (logprobs_to_proto(token, out.new_logprobs[0]) if out.new_logprobs
                            else pb.TokenLogprobs(token_id=token))
@@ -95,5 +116,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                                       bytes_sent=nbytes, blocks_sent=len(src) - first,
                                       transfer_seconds=time.monotonic() - t1, prefill_seconds=prefill_s)
         finally:
+            if trace is not None:
+                trace.end(None if answered else "prefill failed or was cancelled")
             loop.close_stream(rid)
             await loop.call(lambda e: e.abort(rid))  # frees held blocks (or the unfinished request)

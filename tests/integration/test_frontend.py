@@ -246,5 +246,88 @@ def test_still_serving_after_bad_input(stack, client) -> None:  # type: ignore[n
     assert out.choices[0].message.content
     metrics = httpx.get(f"{fe.url}/metrics", timeout=5).text
     assert 'splitserve_frontend_requests_total{endpoint="chat.completions",status="400"}' in metrics
-    assert 'splitserve_time_to_first_token_seconds_count{endpoint="grpc.Generate"}' in metrics
+    assert any(line.startswith("splitserve_time_to_first_token_seconds_count{")
+               and 'endpoint="grpc.Generate"' in line and 'role="frontend"' in line
+               for line in metrics.splitlines())
     wait_all_blocks_free(fe)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> tuple[set[str], Samples]:
+    """(metric family names, samples) of one /metrics, parsed by prometheus-client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(httpx.get(url, timeout=10).text))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    return {f.name for f in families}, samples
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
+
+
+def test_metrics_name_everything_and_count_a_known_workload(stack, client) -> None:  # type: ignore[no-untyped-def]
+    """Issue 6 acceptance 2: each service's /metrics parses, holds its vLLM-named
+    metrics, and after a known workload its counters equal the known counts."""
+    from services.observability import metric_names as names
+
+    fe = stack[0]
+    urls = {"frontend": f"{fe.url}/metrics",
+            **{w["role"]: w["metrics_url"] for w in workers(fe).values()}}
+    assert set(urls) == {"frontend", "prefill", "decode"}
+    routing = {"router_decisions", "index_fallbacks", "requests_migrated"}
+    engine = {"request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+              "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+              "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "kv_transfer_bytes",
+              "kv_transfer_seconds", "kv_transfer_failures", "kv_transfer_recomputes"}
+    every = {*names.HISTOGRAMS, *names.GAUGES, *names.COUNTERS}
+    expected = {"frontend": every - engine, "prefill": every - routing, "decode": every - routing}
+    before = {role: scrape(url)[1] for role, url in urls.items()}
+
+    # One long prompt (prefilled remotely), one short (locally); one ends by length, one by a stop token.
+    runs = [client.completions.create(model=MODEL, prompt=LONG[0]["content"], max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}),
+            client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True})]
+    first = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=1, temperature=0)
+    runs.append(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0,
+                                          stop=[first.choices[0].text]))
+    runs.append(first)
+    prompt = sum(r.usage.prompt_tokens for r in runs)
+    generated = sum(r.usage.completion_tokens for r in runs)
+    reasons = {"length": sum(c.finish_reason == "length" for r in runs for c in r.choices),
+               "stop": sum(c.finish_reason == "stop" for r in runs for c in r.choices)}
+    assert reasons == {"length": 3, "stop": 1}
+
+    deadline = time.monotonic() + 10
+    while True:  # the frontend counts a request as it closes, just after answering
+        after = {role: scrape(url) for role, url in urls.items()}
+        d = {role: {n: total(after[role][1], n) - total(before[role], n)
+                    for n in ("splitserve_prompt_tokens_total", "splitserve_generation_tokens_total")}
+             for role in urls}
+        if d["frontend"]["splitserve_prompt_tokens_total"] == prompt or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for role, (families, _) in after.items():
+        missing = {n for n in expected[role] if "splitserve_" + n not in families}
+        assert not missing, f"{role} /metrics lacks {sorted(missing)}"
+    for role in ("frontend", "decode"):  # every request ran on the one decode worker
+        assert d[role] == {"splitserve_prompt_tokens_total": prompt,
+                           "splitserve_generation_tokens_total": generated}, role
+        for reason, count in reasons.items():
+            got = (total(after[role][1], "splitserve_request_success_total", finished_reason=reason)
+                   - total(before[role], "splitserve_request_success_total", finished_reason=reason))
+            assert got == count, (role, reason)
+    long_prompt = runs[0].usage.prompt_tokens
+    assert long_prompt >= THRESHOLD > max(r.usage.prompt_tokens for r in runs[1:])
+    assert d["prefill"] == {"splitserve_prompt_tokens_total": long_prompt,
+                            "splitserve_generation_tokens_total": 0}
+    moved = {role: total(after[role][1], "splitserve_kv_transfer_bytes_total")
+             - total(before[role], "splitserve_kv_transfer_bytes_total") for role in ("prefill", "decode")}
+    assert moved["prefill"] == moved["decode"] > 0
+    assert (total(after["decode"][1], "splitserve_request_queue_time_seconds_count")
+            - total(before["decode"], "splitserve_request_queue_time_seconds_count")) == len(runs)

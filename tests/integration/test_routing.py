@@ -114,6 +114,10 @@ def decisions(metrics: dict) -> dict[str, float]:  # type: ignore[type-arg]
             if n == "splitserve_router_decisions_total"}
 
 
+def total(metrics: dict, name: str) -> float:  # type: ignore[type-arg]
+    return sum(v for (n, _), v in metrics.items() if n == name)
+
+
 def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
@@ -207,7 +211,7 @@ def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # typ
     for _ in range(2):
         complete(url, prefix + tokens(rng, 24))  # every request still completes
     metrics = scrape(url)
-    assert metrics[("splitserve_index_fallbacks_total", ())] >= 2
+    assert total(metrics, "splitserve_index_fallbacks_total") >= 2
     assert decisions(metrics).get("index_fallback", 0) >= 2
     redis[0] = start_redis(redis_port)
     time.sleep(1.0)  # the next load reports resync each worker's blocks into the fresh Redis
@@ -228,12 +232,22 @@ def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # 
     complete(url, hot + tokens(rng, 24))
     wait_indexed(url, PREFIX_BLOCKS)
     before = scrape(url)
-    with ThreadPoolExecutor(12) as pool:
-        list(pool.map(lambda _: complete(url, hot + tokens(random.Random(), 24)), range(12)))
+    # Each cached request still costs its holder a step and a KV send: past about
+    # 18 queued ones (router defaults) recomputing the prefix elsewhere is
+    # cheaper, and once the second worker holds it too the two share the flood.
+    clients, rounds = 24, 2
+    flood = clients * rounds
+
+    def client(_: int) -> None:
+        for _ in range(rounds):
+            complete(url, hot + tokens(random.Random(), 24))
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
     after = scrape(url)
     routed = diff(per_worker(after, "splitserve_worker_requests_routed_total"),
                   per_worker(before, "splitserve_worker_requests_routed_total"))
-    assert sum(routed.values()) == 12 and min(routed.values()) >= 2, routed  # no single-worker pile-up
+    assert sum(routed.values()) == flood and min(routed.values()) >= 2, routed  # no single-worker pile-up
     assert diff(decisions(after), decisions(before)).get("load_over_affinity", 0) >= 1
 
 

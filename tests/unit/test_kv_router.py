@@ -105,3 +105,19 @@ def test_short_prompts_stay_local_and_round_robin_turns() -> None:
     picks = [rr.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")]) for _ in range(4)]
     assert [x.prefill for x in picks if x] == ["p0:1", "p1:1", "p0:1", "p1:1"]
     assert rr.decisions == {"round_robin": 4}
+
+
+def test_a_flood_on_one_hot_prefix_spills_over_once_the_queue_costs_more() -> None:
+    # p1 holds all 10 blocks; each queued request there costs 8 tokens (2 blocks)
+    # of suffix plus request_cost 2: 4 blocks.  Recomputing on p0 costs 10.
+    router = KVAwareRouter(index_with("p1", 10), lambda: (BS, MODEL), local_prefill_threshold=8)
+
+    def pick(queued: int) -> str:
+        hot = WorkerLoad("p1:1", "p1", inflight=queued, inflight_prompt_tokens=8 * queued)
+        r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), hot])
+        assert r is not None
+        return r.prefill
+
+    assert [pick(k) for k in range(4)] == ["p1:1", "p1:1", "p1:1", "p0:1"]  # 0, 4, 8 < 10 < 12
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert r is not None and r.prefill_tokens == 0  # all of it cached there: nothing to compute

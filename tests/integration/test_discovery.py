@@ -1,0 +1,126 @@
+"""Workers find the frontend through Redis (the compose cluster): a frontend
+given only `--redis-url` serves with the decode worker that registers there,
+and drops it when it stops.  Plus the registration keys themselves: refreshed
+with a TTL, deleted on stop, expired when a worker dies without deregistering."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from services.discovery import Registration, read_registrations
+from services.frontend.workers import WorkerPool
+
+from .procs import ROOT, free_port, start_worker
+from .test_prefix_index_redis import RedisServer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    srv = RedisServer().start()
+    yield srv
+    srv.stop()
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_registration_keys(redis_server: RedisServer) -> None:
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        live = Registration(redis_server.url, "m", "decode", "d-live", "10.0.0.1:5000", interval=0.1)
+        dying = Registration(redis_server.url, "m", "prefill", "p-dying", "10.0.0.2:5000", interval=0.1)
+        other_model = Registration(redis_server.url, "other", "decode", "d-x", "10.0.0.3:5000")
+        for r in (live, dying, other_model):
+            r.start()
+        await asyncio.sleep(0.2)
+        assert await read_registrations(client, "m") == {"decode": {"10.0.0.1:5000"},
+                                                         "prefill": {"10.0.0.2:5000"}}
+        assert dying._task is not None
+        dying._task.cancel()  # dies without deregistering: its key expires after 3 intervals
+        await asyncio.sleep(0.5)
+        assert await read_registrations(client, "m") == {"decode": {"10.0.0.1:5000"}, "prefill": set()}
+        assert await client.smembers("splitserve:{m}:reg:prefill") == set()  # the expired id is swept
+        await live.stop()  # deregisters at once
+        assert await read_registrations(client, "m") == {"decode": set(), "prefill": set()}
+        assert await read_registrations(client, "other") == {"decode": {"10.0.0.3:5000"}, "prefill": set()}
+        await other_model.stop()
+        await dying.redis.aclose()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_pool_follows_registrations_and_retires_workers_once_idle() -> None:
+    async def run() -> None:
+        pool = WorkerPool((), (), interval=0.05)
+        pool.sync("decode", {"127.0.0.1:1", "127.0.0.1:2"})
+        pool.sync("prefill", {"127.0.0.1:3"})
+        assert set(pool.decodes) == {"127.0.0.1:1", "127.0.0.1:2"} and set(pool.prefills) == {"127.0.0.1:3"}
+        busy = pool.decodes["127.0.0.1:1"]
+        busy.inflight = 1  # a request still streams from it
+        pool.sync("decode", {"127.0.0.1:2"})
+        assert set(pool.decodes) == {"127.0.0.1:2"}  # out of routing at once
+        await asyncio.sleep(0.3)
+        assert busy._task is not None and not busy._task.done()  # but not closed under the request
+        busy.inflight = 0
+        await asyncio.sleep(0.3)
+        assert busy._task.done()
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    with open(tmp_path / "frontend.log", "wb") as log:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port", str(free_port()),
+             "--redis-url", redis_server.url, "--discovery-interval", "0.2", "--log-level", "info"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    decode = start_worker("decode", "d0", tmp_path, "--num-blocks", "64", "--redis-url", redis_server.url)
+    url = f"http://127.0.0.1:{port}"
+
+    def health() -> int:
+        assert frontend.poll() is None, (tmp_path / "frontend.log").read_text()[-3000:]
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code
+        except httpx.TransportError:
+            return 0
+
+    try:
+        address = decode.wait_ready()
+        wait_until(lambda: health() == 200, 120, "the frontend never found the decode worker")
+        workers = httpx.get(f"{url}/cluster").json()["workers"]
+        assert [(w["id"], w["role"], w["address"]) for w in workers] == [("d0", "decode", address)]
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+        decode.stop()  # deregisters first: the frontend drops it within a discovery interval or two
+        wait_until(lambda: httpx.get(f"{url}/cluster").json()["workers"] == [], 10,
+                   "the stopped worker is still in the pool")
+        assert health() == 503
+    finally:
+        decode.stop()
+        if frontend.poll() is None:
+            frontend.send_signal(signal.SIGTERM)
+            frontend.wait(timeout=30)

@@ -1,0 +1,132 @@
+"""Mid-stream failover (issue 7, acceptance 4): a decode worker SIGKILLed while
+8 streams run on it; the frontend resumes each on the other decode worker with
+the prompt plus the tokens already sent, and every client gets a complete
+stream whose greedy tokens equal an undisturbed run's."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from protos import pb, pb_grpc
+
+from .procs import ROOT, free_port, start_worker
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 40
+PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
+           f"happens next." for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("failover")
+    workers = {name: start_worker("decode", name, tmp, "--num-blocks", "256") for name in ("d0", "d1")}
+    frontend = None
+    try:
+        addresses = ",".join(w.wait_ready() for w in workers.values())
+        port, grpc_port = free_port(), free_port()
+        with open(tmp / "frontend.log", "wb") as log:
+            frontend = subprocess.Popen(
+                [sys.executable, "-m", "services.frontend", "--port", str(port),
+                 "--grpc-port", str(grpc_port), "--decode", addresses, "--log-level", "warning"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 120,
+                   "the frontend never saw both workers")
+        yield url, f"127.0.0.1:{grpc_port}", workers
+    finally:
+        if frontend is not None and frontend.poll() is None:
+            frontend.send_signal(signal.SIGTERM)
+            frontend.wait(timeout=30)
+        for w in workers.values():
+            if w.popen.poll() is None:
+                w.popen.send_signal(signal.SIGCONT)
+            w.stop()
+
+
+def health(url: str) -> dict[str, Any]:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).json()  # type: ignore[no-any-return]
+    except (httpx.TransportError, ValueError):
+        return {}
+
+
+def worker_health(url: str) -> dict[str, str]:
+    return {w["id"]: w["health"] for w in httpx.get(f"{url}/cluster", timeout=5).json()["workers"]}
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Stream(threading.Thread):
+    """One streamed completion; collects token ids as they arrive."""
+
+    def __init__(self, grpc_address: str, prompt: str) -> None:
+        super().__init__(daemon=True)
+        self.address, self.prompt = grpc_address, prompt
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=120):
+                    self.tokens.extend(r.token_ids)
+                    self.finish_reason = r.finish_reason or self.finish_reason
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def run_streams(grpc_address: str) -> list[Stream]:
+    streams = [Stream(grpc_address, p) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    return streams
+
+
+def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-untyped-def]
+    url, grpc_address, workers = stack
+    reference = run_streams(grpc_address)
+    for s in reference:
+        s.join(120)
+    assert all(s.error is None and len(s.tokens) == MAX_TOKENS for s in reference), \
+        [(s.error, len(s.tokens)) for s in reference]
+
+    # Freeze d1 so that its load reports stop and all 8 streams go to d0.
+    workers["d1"].popen.send_signal(signal.SIGSTOP)
+    wait_until(lambda: worker_health(url)["d1"] == "unhealthy", 10, "a frozen worker still looked healthy")
+    streams = run_streams(grpc_address)
+    wait_until(lambda: all(s.tokens for s in streams), 60, "the streams never started")
+    assert all(len(s.tokens) < MAX_TOKENS for s in streams)
+    workers["d1"].popen.send_signal(signal.SIGCONT)
+    wait_until(lambda: worker_health(url)["d1"] == "healthy", 10, "d1 never came back")
+    workers["d0"].kill(signal.SIGKILL)
+    killed_after = [len(s.tokens) for s in streams]
+    for s in streams:
+        s.join(120)
+
+    assert any(n < MAX_TOKENS for n in killed_after)  # the kill really cut streams short
+    for ref, s in zip(reference, streams, strict=True):
+        assert s.error is None, s.error
+        assert s.finish_reason == "length"
+        assert s.tokens == ref.tokens  # nothing lost, nothing repeated, same greedy continuation
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    migrated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("splitserve_requests_migrated_total"))
+    assert migrated == sum(n < MAX_TOKENS for n in killed_after)
