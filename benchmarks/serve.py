@@ -114,7 +114,8 @@ def plot(results: list[RequestResult], summary: dict[str, Any], path: str, title
         for g in groups:
             ms = sorted(1000 * v for r in ok if r.group == g for v in values(r))
             if ms:
-                ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], label=g if len(groups) > 1 else None)
+                ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], drawstyle="steps-post",
+                        label=g if len(groups) > 1 else None)
         ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of " + ("tokens" if name == "ITL" else
                                                                           "requests"))
         ax.grid(alpha=0.3)

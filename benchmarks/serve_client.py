@@ -93,8 +93,8 @@ class ResponseTimer:
             return False
         obj = json.loads(data)
         if "error" in obj:
-            self.error = str(obj["error"].get("message", obj["error"]) if isinstance(obj["error"], dict)
-                             else obj["error"])
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return False
         if obj.get("usage"):
             self.usage = obj["usage"]
@@ -134,7 +134,9 @@ async def send_one(client: httpx.AsyncClient, target: Target, req: BenchRequest,
                         live = live and timer.on_event(data, time.perf_counter() - start)
                     if not live:
                         break
-    except Exception as e:  # noqa: BLE001 -- a failed request is a result, not a crash
+                for data in decoder.close() if live else ():  # no blank line after the last event
+                    timer.on_event(data, time.perf_counter() - start)
+    except Exception as e:  # a failed request is a result, not a crash
         timer.error = f"{type(e).__name__}: {e}"
     end = time.perf_counter() - start
     return timer.result(req.group, start - t0, end)

@@ -63,6 +63,11 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    @property
+    def num_streams(self) -> int:
+        """Requests being served (each RPC holds one stream while it runs)."""
+        return len(self._streams)
+
     def _dispatch(self, outs: list[StepOutput]) -> None:
         for out in outs:
             q = self._streams.get(out.request_id)

@@ -50,6 +50,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--advertise-host", default=None,
                    help="the host others reach this worker at (gRPC and UCX); default: --host, or this "
                         "machine's address when --host is 0.0.0.0 (containers)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to finish the requests in flight before the rest are cut "
+                        "(the frontend resumes cut streams on another worker)")
     g.add_argument("--redis-url", default=None,
                    help="register this worker's address here, for frontends that discover workers")
     g.add_argument("--cpus", default=None,
@@ -156,6 +159,7 @@ class WorkerState:
     cache_events: CacheEventLog = field(default_factory=CacheEventLog)
     tracing: Tracing = field(default_factory=Tracing.off)
     metrics: WorkerMetrics | None = None  # Prometheus; set up before serving
+    draining: bool = False  # SIGTERM: finish what is here, take nothing new
 
     def load(self) -> pb.LoadReport:
         eng = self.engine.engine
@@ -172,7 +176,7 @@ class WorkerState:
         return pb.LoadReport(worker_id=self.worker_id, role=self.role, running=sched.num_running,
                              waiting=sched.num_waiting, free_blocks=eng.kv.num_free_blocks,
                              total_blocks=eng.kv.num_blocks, queued_prompt_tokens=queued,
-                             counters=counters)
+                             counters=counters, draining=self.draining)
 
     def info(self) -> pb.WorkerInfo:
         eng = self.engine.engine
@@ -275,6 +279,20 @@ def run_worker(args: argparse.Namespace, role: str,
     asyncio.run(amain())
 
 
+async def drain(state: WorkerState, timeout: float) -> None:
+    """Graceful shutdown, first half: say so in the load reports (frontends
+    route nothing new here; new calls are refused), then let the requests in
+    flight finish, for at most `timeout` seconds."""
+    state.draining = True
+    deadline = asyncio.get_running_loop().time() + timeout
+    log.info("%s %s draining: %d requests in flight", state.role, state.worker_id, state.engine.num_streams)
+    while state.engine.num_streams and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.engine.num_streams:
+        log.warning("drain timeout: cutting %d requests (their streams resume elsewhere)",
+                    state.engine.num_streams)
+
+
 async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: WorkerState,
                 service_names: list[str], on_stop: list) -> None:  # type: ignore[type-arg]
     health_servicer = health.aio.HealthServicer()
@@ -306,11 +324,12 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await drain(state, args.drain_timeout)
     if registration is not None:  # frontends stop routing here before the server stops
         await registration.stop()
     for name in [*service_names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=5)
+    await server.stop(grace=1)
     for fn in on_stop:
         await fn()
     state.engine.stop()

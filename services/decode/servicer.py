@@ -56,6 +56,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
 
     async def Generate(self, request: pb.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerGenerateResponse]:
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: draining (shutting down); use another")
         rid = request.request_id or uuid.uuid4().hex
         loop = self.state.engine
         try:

@@ -35,6 +35,11 @@ class FrontendConfig:
     queue_weight: float = 1.0  # kv-aware: prefill queue cost per block, in blocks of recompute
     request_cost: float = 2.0  # kv-aware: fixed cost of one queued prefill request, in blocks
     max_migrations: int = 1  # times one stream may resume on another decode worker mid-generation
+    # Admission control (0: no limit) and the default deadline of a request (0: none).
+    max_waiting_requests: int = 256
+    max_waiting_prompt_tokens: int = 0
+    max_requests_per_tenant: int = 0
+    request_timeout_seconds: float = 0.0
     discovery_interval_seconds: float = 1.0
     otlp_endpoint: str | None = None  # OTLP gRPC collector for traces; None: tracing off
 
@@ -52,6 +57,10 @@ class FrontendConfig:
             raise ValueError(f"routing: must be kv-aware, round-robin, random or load, got {self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations: must be >= 0")
+        for name in ("max_waiting_requests", "max_waiting_prompt_tokens", "max_requests_per_tenant",
+                     "request_timeout_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: no limit)")
         if self.load_interval_seconds <= 0:
             raise ValueError("load_interval: must be > 0")
         if self.discovery_interval_seconds <= 0:
@@ -102,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-cost", type=float, default=2.0,
                    help="kv-aware: what one queued prefill request costs whatever its cache hit "
                         "(a step, sampling, sending its KV), in blocks of recompute")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests admitted and still waiting for their first token; past it: 429 "
+                        "(0: no limit)")
+    p.add_argument("--max-waiting-prompt-tokens", type=int, default=0,
+                   help="prompt tokens of the waiting requests; past it: 429 (0: no limit)")
+    p.add_argument("--max-requests-per-tenant", type=int, default=0,
+                   help="concurrent requests per API key (or `user` field); past it: 429 (0: no limit)")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds a request may take in all; past it, it is aborted everywhere (0: none; "
+                        "per request: header X-Request-Timeout or a gRPC deadline)")
     p.add_argument("--max-migrations", type=int, default=1,
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
@@ -119,4 +138,7 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
         redis_url=args.redis_url, routing=args.routing, queue_weight=args.queue_weight,
         max_migrations=args.max_migrations, request_cost=args.request_cost,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+        max_requests_per_tenant=args.max_requests_per_tenant, request_timeout_seconds=args.request_timeout,
         discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint)

@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+from services.frontend.admission import Admission, Limits, Ticket
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher
 from services.frontend.errors import APIError
@@ -33,6 +34,8 @@ class Frontend:
             router.observe_lookup = self.metrics.observe_lookup
         self.dispatcher = Dispatcher(pool, router, self.metrics, config.max_migrations)
         self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
+        self.admission = Admission(Limits(config.max_waiting_requests, config.max_waiting_prompt_tokens,
+                                          config.max_requests_per_tenant))
         self.created = int(time.time())
         self.active: set[RequestRun] = set()
 
@@ -40,14 +43,22 @@ class Frontend:
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def start(self, plan: Plan, endpoint: str, arrival: float, carrier: Carrier | None = None) -> RequestRun:
+    def admit(self, plan: Plan, tenant: str | None) -> Ticket:
+        """A place in the waiting room, or a 429 (APIError) at once."""
+        return self.admission.admit(sum(len(p.token_ids) for p in plan.prompts) * plan.n, tenant)
+
+    def start(self, plan: Plan, endpoint: str, arrival: float, carrier: Carrier | None = None,
+              ticket: Ticket | None = None, timeout: float | None = None) -> RequestRun:
         """carrier: the client's headers or gRPC metadata (a `traceparent` continues its trace)."""
         trace = None
         if self.tracing.enabled:
             from services.frontend.request_trace import RequestTrace
 
             trace = RequestTrace(self.tracing, plan, endpoint, self.model_name, arrival, carrier)
-        return RequestRun(plan, self.dispatcher, self.metrics, endpoint, arrival, self.active, trace)
+        if timeout is None:
+            timeout = self.config.request_timeout_seconds or None
+        return RequestRun(plan, self.dispatcher, self.metrics, endpoint, arrival, self.active, trace,
+                          ticket, timeout)
 
     async def drain(self, grace_seconds: float) -> None:
         """Shutdown: give requests in flight `grace_seconds` to finish, then end the

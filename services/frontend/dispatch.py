@@ -232,7 +232,7 @@ async def _watched(call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
     while True:
         read = asyncio.ensure_future(call.read())
         while not (await asyncio.wait({read}, timeout=_WATCH_S))[0]:
-            if not decode.healthy:
+            if not decode.alive:
                 read.cancel()
                 raise _WorkerFailed(errors.APIError(
                     503, f"worker: {decode.worker_id} stopped answering mid-stream", None,

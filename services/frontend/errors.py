@@ -13,10 +13,11 @@ import grpc
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
+                500: "server_error", 503: "server_error", 504: "timeout"}
 _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-               500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
+               500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE,
+               504: grpc.StatusCode.DEADLINE_EXCEEDED}
 # Worker status -> frontend status.  A worker's INVALID_ARGUMENT means the frontend
 # let something through that the engine refused: still the client's fault.
 _FROM_WORKER = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -32,12 +33,13 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds; REST sends it as Retry-After
 
     @property
     def type(self) -> str:

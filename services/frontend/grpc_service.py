@@ -31,10 +31,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         try:
             plan = fe.preparer.grpc(request, request_id)
             fe.dispatcher.check_available()
+            ticket = fe.admit(plan, request.user or None)
         except APIError as e:
             fe.metrics.requests.labels(ENDPOINT, str(e.status)).inc()
             await context.abort(e.grpc_code, e.message)
-        run = fe.start(plan, ENDPOINT, arrival, context.invocation_metadata())
+        remaining = context.time_remaining()  # the client's deadline, if it set one
+        run = fe.start(plan, ENDPOINT, arrival, context.invocation_metadata(), ticket,
+                       remaining if remaining is not None and remaining < 1e6 else None)
         status = CLIENT_CLOSED
         try:
             async for _, event in run.events():

@@ -25,6 +25,10 @@ _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penal
                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Guards: what one request may ask for, so that no request can cost without bound.
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,13 @@ class Preparer:
         if max_len is None:
             raise APIError(503, "no worker has reported its max_model_len yet; try again later", None,
                            "no_healthy_worker")
+        if len(base.stop_strings) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} strings, got {len(base.stop_strings)}", "stop")
+        if base.stop_token_ids and len(base.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(base.stop_token_ids)}",
+                              "stop_token_ids")
+        if base.logit_bias and len(base.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"at most {MAX_LOGIT_BIAS} entries, got {len(base.logit_bias)}", "logit_bias")
         if base.logit_bias:
             bad = [t for t in base.logit_bias if t >= self.tokenizer.vocab_size]
             if bad:

@@ -33,11 +33,13 @@ class ClientGone(Exception):
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.to_json(), status_code=e.status)
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
+    return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
 
 
 def build_app(fe: Frontend) -> FastAPI:
-    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    _describe_bodies(app)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -97,6 +99,33 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_BODIES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """The handlers read their bodies themselves (size limit first, then one
+    strict parse that names the bad field); the OpenAPI document still says
+    what they take, from the same pydantic models."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version="1", routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in _BODIES.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                doc["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -116,21 +145,47 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
+def api_key(authorization: str | None) -> str | None:
+    """The bearer token, which names the tenant for per-tenant limits."""
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip() or None
+    return None
+
+
+def request_timeout(value: str | None) -> float | None:
+    """The X-Request-Timeout header (seconds), overriding --request-timeout."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e6:
+        raise APIError(400, f"X-Request-Timeout: must be a number of seconds > 0, got {value!r}",
+                       "X-Request-Timeout")
+    return seconds
+
+
 async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
     arrival = time.monotonic()
     chat = endpoint == "chat.completions"
     request_id = fe.new_request_id("chatcmpl" if chat else "cmpl")
     try:
         body = await read_body(request, fe.config.max_body_bytes)
+        parsed: ChatCompletionRequest | CompletionRequest
         if chat:
-            plan = fe.preparer.chat(parse_body(body, ChatCompletionRequest), request_id)
+            parsed = parse_body(body, ChatCompletionRequest)
+            plan = fe.preparer.chat(parsed, request_id)
         else:
-            plan = fe.preparer.completion(parse_body(body, CompletionRequest), request_id)
+            parsed = parse_body(body, CompletionRequest)
+            plan = fe.preparer.completion(parsed, request_id)
+        timeout = request_timeout(request.headers.get("x-request-timeout"))
         fe.dispatcher.check_available()
+        ticket = fe.admit(plan, api_key(request.headers.get("authorization")) or parsed.user)
     except APIError as e:
         fe.metrics.requests.labels(endpoint, str(e.status)).inc()
         return error_response(e)
-    run = fe.start(plan, endpoint, arrival, request.headers)
+    run = fe.start(plan, endpoint, arrival, request.headers, ticket, timeout)
     env = fmt.Envelope(request_id, int(time.time()), fe.model_name)
     if plan.stream:
         return await _stream(request, run, env, chat)

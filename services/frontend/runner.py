@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from services.frontend.admission import Ticket
 from services.frontend.dispatch import Dispatcher, Event
+from services.frontend.errors import APIError
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
 from services.frontend.results import Choice, Results
@@ -19,7 +22,8 @@ CLIENT_CLOSED = "499"  # nginx's status for "the client went away"; only a metri
 
 class RequestRun:
     def __init__(self, plan: Plan, dispatcher: Dispatcher, metrics: Metrics, endpoint: str,
-                 arrival: float, active: set[RequestRun], trace: RequestTrace | None = None) -> None:
+                 arrival: float, active: set[RequestRun], trace: RequestTrace | None = None,
+                 ticket: Ticket | None = None, timeout: float | None = None) -> None:
         self.plan = plan
         self.trace = trace  # None: tracing is off
         self.results = Results(plan)
@@ -29,6 +33,12 @@ class RequestRun:
         self._first_token = False
         self._last_output: dict[int, float] = {}  # choice -> when its last message came
         self._fanout = dispatcher.stream(plan, trace)
+        self._ticket = ticket
+        self._deadline = None
+        if timeout:  # past it: every worker call is cancelled (the workers abort) and the client gets 504
+            self._deadline = asyncio.get_running_loop().call_later(
+                timeout, self._fanout.fail, APIError(504, f"the request took longer than its timeout of "
+                                                          f"{timeout:g} s", None, "timeout"))
         metrics.in_flight.inc()
         self._open = True
         self._active = active
@@ -39,6 +49,8 @@ class RequestRun:
         async for event in self._fanout:
             if not self._first_token:
                 self._first_token = True
+                if self._ticket is not None:
+                    self._ticket.started()
                 self.metrics.ttft(self.endpoint, time.monotonic() - self.arrival)
                 if self.trace is not None:
                     self.trace.first_token()
@@ -65,6 +77,10 @@ class RequestRun:
         self._open = False
         self._active.discard(self)
         self._fanout.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._ticket is not None:
+            self._ticket.release()
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(self.endpoint, status).inc()
         if self.trace is not None:

@@ -63,10 +63,16 @@ class Worker:
         return self.info.worker_id if self.info and self.info.worker_id else self.address
 
     @property
-    def healthy(self) -> bool:
-        # A live stream that has gone quiet for many intervals means a hung worker.
+    def alive(self) -> bool:
+        """Its load stream is up and current (a live stream gone quiet for many
+        intervals means a hung worker)."""
         fresh = time.monotonic() - self.last_report < max(2.0, 10 * self.interval)
         return self.stream_up and self.info is not None and fresh
+
+    @property
+    def healthy(self) -> bool:
+        """Alive and taking new requests (not draining)."""
+        return self.alive and not (self.load is not None and self.load.draining)
 
     def mark_down(self) -> None:
         """A call failed in a way that says the worker is gone; the watch loop
@@ -86,7 +92,7 @@ class Worker:
         return {"id": self.worker_id, "role": info.role or self.role, "pid": info.pid or None,
                 "grpc_address": info.grpc_address or self.address, "address": self.address,
                 "ucx_address": info.ucx_address or None, "metrics_url": info.metrics_url or None,
-                "health": "healthy" if self.healthy else "unhealthy",
+                "health": "healthy" if self.healthy else "draining" if self.alive else "unhealthy",
                 "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
                 "total_blocks": load.total_blocks, "queued_prompt_tokens": load.queued_prompt_tokens,
                 "inflight": self.inflight, "routed": self.routed, "max_model_len": info.max_model_len or None,

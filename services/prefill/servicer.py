@@ -47,6 +47,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: draining (shutting down); use another")
         loop = self.state.engine
         mismatch = layout_mismatch(layout_proto(loop.engine), request.layout)
         if mismatch:

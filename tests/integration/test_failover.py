@@ -1,7 +1,8 @@
-"""Mid-stream failover (issue 7, acceptance 4): a decode worker SIGKILLed while
-8 streams run on it; the frontend resumes each on the other decode worker with
-the prompt plus the tokens already sent, and every client gets a complete
-stream whose greedy tokens equal an undisturbed run's."""
+"""Mid-stream failover and graceful drain (issue 7, acceptance 4 and 5): a
+decode worker SIGKILLed while 8 streams run on it, and a rolling restart of
+both decode workers under steady load.  The frontend resumes cut streams on
+the other decode worker with the prompt plus the tokens already sent; every
+client gets a complete stream."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from protos import pb, pb_grpc
 
-from .procs import ROOT, free_port, start_worker
+from .procs import ROOT, Proc, free_port, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
@@ -29,7 +30,8 @@ PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell wh
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("failover")
-    workers = {name: start_worker("decode", name, tmp, "--num-blocks", "256") for name in ("d0", "d1")}
+    ports = {"d0": free_port(), "d1": free_port()}
+    workers = {name: start_decode(name, tmp, port) for name, port in ports.items()}
     frontend = None
     try:
         addresses = ",".join(w.wait_ready() for w in workers.values())
@@ -42,7 +44,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 120,
                    "the frontend never saw both workers")
-        yield url, f"127.0.0.1:{grpc_port}", workers
+        yield url, f"127.0.0.1:{grpc_port}", workers, ports, tmp
     finally:
         if frontend is not None and frontend.poll() is None:
             frontend.send_signal(signal.SIGTERM)
@@ -51,6 +53,11 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             if w.popen.poll() is None:
                 w.popen.send_signal(signal.SIGCONT)
             w.stop()
+
+
+def start_decode(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
+    return start_worker("decode", name, tmp, "--num-blocks", "256", "--grpc-port", str(port),
+                        "--drain-timeout", "20")
 
 
 def health(url: str) -> dict[str, Any]:
@@ -101,7 +108,7 @@ def run_streams(grpc_address: str) -> list[Stream]:
 
 
 def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-untyped-def]
-    url, grpc_address, workers = stack
+    url, grpc_address, workers, _, _ = stack
     reference = run_streams(grpc_address)
     for s in reference:
         s.join(120)
@@ -130,3 +137,42 @@ def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-unty
     migrated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                    if line.startswith("splitserve_requests_migrated_total"))
     assert migrated == sum(n < MAX_TOKENS for n in killed_after)
+
+
+def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignore[no-untyped-def]
+    url, grpc_address, workers, ports, tmp = stack
+    for name in ("d0", "d1"):  # the previous test may have left one dead
+        if workers[name].popen.poll() is not None:
+            workers[name] = start_decode(name, tmp, ports[name])
+            workers[name].wait_ready()
+    wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
+
+    stop = threading.Event()
+    done: list[Stream] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            s = Stream(grpc_address, PROMPTS[i])
+            s.run()
+            done.append(s)
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(3)]
+    for c in clients:
+        c.start()
+    exits = {}
+    for name in ("d0", "d1"):  # one by one: drain (SIGTERM), wait for a clean exit, start again
+        mark = len(done)
+        wait_until(lambda: len(done) >= mark + 2, 60, "no load")  # noqa: B023 - waited on at once
+        workers[name].popen.send_signal(signal.SIGTERM)
+        exits[name] = workers[name].popen.wait(timeout=60)
+        workers[name] = start_decode(name, tmp, ports[name])
+        workers[name].wait_ready()
+        wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, f"{name} never came back")
+    mark = len(done)
+    wait_until(lambda: len(done) >= mark + 2, 60, "no load after the restarts")
+    stop.set()
+    for c in clients:
+        c.join(120)
+    assert exits == {"d0": 0, "d1": 0}
+    assert done and all(s.error is None and len(s.tokens) == MAX_TOKENS for s in done), \
+        [(s.error, len(s.tokens)) for s in done if s.error or len(s.tokens) != MAX_TOKENS]

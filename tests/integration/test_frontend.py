@@ -36,16 +36,16 @@ LONG = [{"role": "user", "content": "Describe a quiet harbour town at dawn, the 
 
 
 class Frontend:
-    def __init__(self, tmp: Path, decode: str, prefill: str) -> None:
+    def __init__(self, tmp: Path, decode: str, prefill: str, *extra: str, name: str = "frontend") -> None:
         self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / "frontend.log"
+        self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "services.frontend", "--port", str(self.port),
                  "--grpc-port", str(self.grpc_port), "--decode", decode, "--prefill", prefill,
                  "--local-prefill-threshold", str(THRESHOLD), "--worker-wait", "60",
-                 "--log-level", "warning"],
+                 "--log-level", "warning", *extra],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 90) -> None:
@@ -85,6 +85,8 @@ def stack(tmp_path_factory) -> Iterator[tuple[Frontend, Any, Any]]:  # type: ign
         fe.wait_healthy()
         yield fe, p0, d0
         assert fe.stop() == 0, fe.tail()  # SIGTERM: a clean, graceful exit
+        for other in _extra_frontends:
+            other.stop()
     finally:
         if fe is not None:
             fe.stop()
@@ -331,3 +333,151 @@ def test_metrics_name_everything_and_count_a_known_workload(stack, client) -> No
     assert moved["prefill"] == moved["decode"] > 0
     assert (total(after["decode"][1], "splitserve_request_queue_time_seconds_count")
             - total(before["decode"], "splitserve_request_queue_time_seconds_count")) == len(runs)
+
+
+_extra_frontends: list[Frontend] = []
+
+
+@pytest.fixture(scope="module")
+def strict(stack, tmp_path_factory) -> Frontend:  # type: ignore[no-untyped-def]
+    """A second frontend on the same workers with tight admission limits."""
+    fe, p0, d0 = stack
+    strict = Frontend(tmp_path_factory.mktemp("strict"), d0.address, p0.address,
+                      "--max-waiting-requests", "2", "--max-requests-per-tenant", "1", name="strict")
+    _extra_frontends.append(strict)
+    strict.wait_healthy()
+    return strict
+
+
+def test_overload_gets_429_at_once_and_the_admitted_finish(stack, strict) -> None:  # type: ignore[no-untyped-def]
+    """Issue 7 acceptance 2: 10x the admission limit at once."""
+    import concurrent.futures
+
+    body = {"model": MODEL, "prompt": "Write about the sea.", "max_tokens": 24, "ignore_eos": True}
+
+    def post(i: int) -> tuple[int, float, dict[str, str]]:
+        t = time.monotonic()
+        r = httpx.post(f"{strict.url}/v1/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer key-{i}"})  # distinct tenants: the queue limit only
+        return r.status_code, time.monotonic() - t, dict(r.headers)
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(post, range(20)))
+    ok = [r for r in results if r[0] == 200]
+    rejected = [r for r in results if r[0] == 429]
+    assert len(ok) + len(rejected) == 20 and ok and len(rejected) >= 10, [r[0] for r in results]
+    assert all(h.get("retry-after") == "1" for _, _, h in rejected)
+    # Rejections do not wait for anything: each came back before the slowest admitted request.
+    assert max(t for _, t, _ in rejected) < max(t for _, t, _ in ok)
+    waits = sorted(t for _, t, _ in rejected)
+    print(f"429 latency p99 {1000 * waits[int(0.99 * (len(waits) - 1))]:.1f} ms")
+    wait_all_blocks_free(stack[0])
+
+
+def test_per_tenant_limit(strict) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": "Bearer tenant-a"}
+    with httpx.stream("POST", f"{strict.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        second = httpx.post(f"{strict.url}/v1/completions", json={**body, "stream": False}, headers=headers,
+                            timeout=60)
+        assert second.status_code == 429 and "API key or user" in second.json()["error"]["message"]
+        other = httpx.post(f"{strict.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                           headers={"Authorization": "Bearer tenant-b"}, timeout=60)
+        assert other.status_code == 200  # another tenant is not held back
+
+
+def test_timeout_aborts_everywhere(stack) -> None:  # type: ignore[no-untyped-def]
+    fe = stack[0]
+    body = {"model": MODEL, "messages": LONG, "max_tokens": 400, "ignore_eos": True}
+    r = httpx.post(f"{fe.url}/v1/chat/completions", json=body, headers={"X-Request-Timeout": "1.5"},
+                   timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    bad = httpx.post(f"{fe.url}/v1/chat/completions", json=body, headers={"X-Request-Timeout": "soon"},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Timeout"
+    wait_all_blocks_free(fe)  # the workers aborted it and freed its blocks
+
+
+def _fuzz_strategies():  # type: ignore[no-untyped-def]
+    from hypothesis import strategies as st
+
+    scalar = (st.none() | st.booleans() | st.integers(-(2**40), 2**40)
+              | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+    junk = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+    plausible = {
+        "model": st.just(MODEL), "prompt": st.just("Hello") | st.lists(st.integers(0, 49151), max_size=8),
+        "messages": st.just(SHORT), "n": st.integers(0, 3), "max_tokens": st.integers(-1, 4),
+        "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 50),
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=20),
+        "seed": st.integers(-5, 2**70),
+        "logprobs": st.booleans() | st.integers(-1, 30), "top_logprobs": st.integers(-1, 30),
+        "logit_bias": st.dictionaries(st.integers(-5, 60000).map(str), st.floats(-200, 200), max_size=3),
+        "stream": st.booleans(), "min_tokens": st.integers(-1, 6), "priority": st.integers(-5, 5),
+        "presence_penalty": st.floats(-3, 3), "repetition_penalty": st.floats(-1, 3),
+        "stop_token_ids": st.lists(st.integers(-5, 60000), max_size=4), "ignore_eos": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    }
+    return st.fixed_dictionaries({}, optional={k: v | junk for k, v in plausible.items()})
+
+
+def test_fuzz_rest_never_5xx(stack) -> None:  # type: ignore[no-untyped-def]
+    """Issue 7 acceptance 1 (REST): random bodies over the schema's fields: only
+    clean answers, never a 5xx or a hang, and the server serves after."""
+    from hypothesis import HealthCheck, given, settings
+
+    fe = stack[0]
+    schema = httpx.get(f"{fe.url}/openapi.json", timeout=10).json()
+    assert {"CompletionRequest", "ChatCompletionRequest"} <= set(schema["components"]["schemas"])
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=_fuzz_strategies())
+    def fuzz(body: dict[str, Any]) -> None:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = httpx.post(f"{fe.url}{path}", content=json.dumps(body, allow_nan=True), timeout=60,
+                           headers={"content-type": "application/json"})
+            assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+
+    fuzz()
+    ok = httpx.post(f"{fe.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200
+    wait_all_blocks_free(fe)
+
+
+def test_fuzz_grpc_only_clean_statuses(stack) -> None:  # type: ignore[no-untyped-def]
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    fe = stack[0]
+    i32 = st.integers(-(2**31), 2**31 - 1)
+    f64 = st.floats(allow_nan=True, allow_infinity=True)
+    sampling = st.builds(
+        pb.SamplingParams, n=st.integers(-1, 3), temperature=f64, top_p=f64, top_k=i32, min_p=f64,
+        repetition_penalty=f64, presence_penalty=f64, frequency_penalty=f64,
+        logit_bias=st.dictionaries(i32, f64, max_size=3), seed=st.integers(-(2**63), 2**63 - 1),
+        stop=st.lists(st.text(max_size=4), max_size=3), stop_token_ids=st.lists(i32, max_size=3),
+        ignore_eos=st.booleans(), min_tokens=i32, max_tokens=st.integers(-2, 4) | i32, logprobs=i32)
+    request = st.builds(pb.GenerateRequest, model=st.just(MODEL) | st.text(max_size=8),
+                        text=st.text(max_size=40), sampling=sampling, priority=i32,
+                        cache_salt=st.text(max_size=8))
+    clean = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+    with grpc.insecure_channel(f"127.0.0.1:{fe.grpc_port}") as ch:
+        stub = pb_grpc.FrontendStub(ch)
+
+        @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(req=request)
+        def fuzz(req: pb.GenerateRequest) -> None:
+            try:
+                list(stub.Generate(req, timeout=60))
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()  # type: ignore[attr-defined]
+            assert code in clean, (req, code)
+
+        fuzz()
+    wait_all_blocks_free(fe)

@@ -155,3 +155,13 @@ def test_grpc_request() -> None:
         "prompt.token_ids"
     assert error(prep.grpc, pb.GenerateRequest(text="a", sampling=pb.SamplingParams(max_tokens=64)),
                  "g").param == "max_tokens"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"stop_token_ids": list(range(300))}, "stop_token_ids"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1100)}}, "logit_bias"),
+])
+def test_guards_bound_what_one_request_may_ask_for(body: dict[str, Any], param: str) -> None:
+    e = error(preparer().completion, completion(prompt="hi", **body), "r")
+    assert e.status == 400 and e.param == param and "at most" in e.message
