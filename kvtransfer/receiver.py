@@ -59,6 +59,10 @@ class Receiver:
         self._channels: set[Channel] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._transfers)
+
     def expect(self, transfer_id: str, block_ids: Sequence[int],
                timeout_s: float | None = None) -> asyncio.Future[int]:
         ids = tuple(int(b) for b in block_ids)

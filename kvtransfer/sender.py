@@ -197,6 +197,10 @@ class Sender:
             raise TransferFailed(f"{peer} refused the connection: {ack.error}")
         return chan, False
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._attempts)
+
     def _release(self, peer: str, chan: Channel, reusable: bool) -> None:
         idle = self._idle.setdefault(peer, [])
         if reusable and not chan.closed and len(idle) < MAX_IDLE_PER_PEER:

@@ -93,6 +93,11 @@ class KVTransport:
             raise RuntimeError("KVTransport.start() has not run")
         return f"{self.host}:{self._listener.port}"
 
+    @property
+    def num_pending(self) -> int:
+        """Transfers started and not yet ended, both directions (0 when idle: nothing leaks)."""
+        return self._receiver.num_pending + self._sender.num_pending
+
     def expect(self, transfer_id: str, block_ids: Sequence[int],
                timeout_s: float | None = None) -> asyncio.Future[int]:
         """Receive transfer `transfer_id` into kv_cache[block_ids[i]] (block i of the sender's list).

@@ -160,6 +160,7 @@ class WorkerState:
     tracing: Tracing = field(default_factory=Tracing.off)
     metrics: WorkerMetrics | None = None  # Prometheus; set up before serving
     draining: bool = False  # SIGTERM: finish what is here, take nothing new
+    transport: Any = None  # the KVTransport, for its pending transfers
 
     def load(self) -> pb.LoadReport:
         eng = self.engine.engine
@@ -176,7 +177,8 @@ class WorkerState:
         return pb.LoadReport(worker_id=self.worker_id, role=self.role, running=sched.num_running,
                              waiting=sched.num_waiting, free_blocks=eng.kv.num_free_blocks,
                              total_blocks=eng.kv.num_blocks, queued_prompt_tokens=queued,
-                             counters=counters, draining=self.draining)
+                             counters=counters, draining=self.draining,
+                             kv_transfers_pending=self.transport.num_pending if self.transport else 0)
 
     def info(self) -> pb.WorkerInfo:
         eng = self.engine.engine
@@ -270,6 +272,7 @@ def run_worker(args: argparse.Namespace, role: str,
         state = WorkerState(role, worker_id, loop, ucx_address=transport.address,
                             tracing=Tracing.start(f"splitserve-{role}", args.otlp_endpoint, worker_id))
         loop.on_cache_events = state.cache_events.append
+        state.transport = transport
         servicer = make_servicer(state, transport)
         state.extra_counters = lambda: numeric_fields(servicer.stats)
         server = grpc.aio.server()

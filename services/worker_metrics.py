@@ -164,7 +164,8 @@ class _LoadCollector(Collector):
                   "kv_cache_usage_perc": (1 - r.free_blocks / max(r.total_blocks, 1),
                                           "fraction of KV blocks in use (0-1)"),
                   "kv_cache_free_blocks": (r.free_blocks, "free KV blocks"),
-                  "kv_cache_total_blocks": (r.total_blocks, "KV blocks in the pool")}
+                  "kv_cache_total_blocks": (r.total_blocks, "KV blocks in the pool"),
+                  "kv_transfers_pending": (r.kv_transfers_pending, "KV transfers started and not ended")}
         for name, (value, doc) in gauges.items():
             g = GaugeMetricFamily(f"splitserve_{name}", doc, labels=LABELS)
             g.add_metric(self.labels, value)

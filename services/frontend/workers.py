@@ -95,6 +95,7 @@ class Worker:
                 "health": "healthy" if self.healthy else "draining" if self.alive else "unhealthy",
                 "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
                 "total_blocks": load.total_blocks, "queued_prompt_tokens": load.queued_prompt_tokens,
+                "kv_transfers_pending": load.kv_transfers_pending,
                 "inflight": self.inflight, "routed": self.routed, "max_model_len": info.max_model_len or None,
                 "model_id": info.model_id or None, "counters": dict(load.counters)}
 

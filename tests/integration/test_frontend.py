@@ -481,3 +481,77 @@ def test_fuzz_grpc_only_clean_statuses(stack) -> None:  # type: ignore[no-untype
 
         fuzz()
     wait_all_blocks_free(fe)
+
+
+def test_every_way_a_request_ends_gives_every_block_back(stack) -> None:  # type: ignore[no-untyped-def]
+    """Issue 7 acceptance 3: 200 requests ending every way (finished, stop string,
+    max_tokens, client gone mid-prefill / mid-transfer / mid-decode, timeout, gRPC
+    cancel), then idle: every worker's blocks are all free, no transfer pending."""
+    import concurrent.futures
+    import random
+
+    fe = stack[0]
+    wait_all_blocks_free(fe)
+    completions, chat = f"{fe.url}/v1/completions", f"{fe.url}/v1/chat/completions"
+
+    def finished(rng: random.Random) -> None:
+        r = httpx.post(completions, json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200
+
+    def stop_string(rng: random.Random) -> None:
+        r = httpx.post(completions, json={"model": MODEL, "prompt": "List: a, b,", "max_tokens": 12,
+                                          "stop": [","], "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+
+    def max_tokens(rng: random.Random) -> None:
+        r = httpx.post(chat, json={"model": MODEL, "messages": LONG, "max_tokens": 5, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+    def client_gone(rng: random.Random) -> None:
+        # A long prompt (prefilled remotely), dropped after 10 ms to 1.5 s: during
+        # prefill, the KV transfer or decode.
+        body = {"model": MODEL, "messages": LONG, "max_tokens": 64, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", chat, json=body, timeout=rng.uniform(0.01, 1.5)) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.TimeoutException:
+            pass
+
+    def mid_decode(rng: random.Random) -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", completions, json=body, timeout=60) as r:
+            for _, _ in zip(r.iter_lines(), range(rng.randint(1, 6)), strict=False):
+                pass
+
+    def timeout(rng: random.Random) -> None:
+        r = httpx.post(chat, json={"model": MODEL, "messages": LONG, "max_tokens": 200, "ignore_eos": True},
+                       headers={"X-Request-Timeout": f"{rng.uniform(0.05, 1.0):.2f}"}, timeout=60)
+        assert r.status_code in (200, 504)
+
+    def grpc_cancel(rng: random.Random) -> None:
+        req = pb.GenerateRequest(model=MODEL, text=LONG[0]["content"],
+                                 sampling=pb.SamplingParams(max_tokens=64, ignore_eos=True))
+        with grpc.insecure_channel(f"127.0.0.1:{fe.grpc_port}") as ch:
+            call = pb_grpc.FrontendStub(ch).Generate(req, timeout=60)
+            if rng.random() < 0.5:
+                next(call)  # cancelled mid-decode; else before the first token
+            call.cancel()
+
+    kinds = [finished, stop_string, max_tokens, client_gone, mid_decode, timeout, grpc_cancel]
+
+    def one(i: int) -> str:
+        kind = kinds[i % len(kinds)]
+        kind(random.Random(i))
+        return kind.__name__
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ran = list(pool.map(one, range(200)))
+    assert {k.__name__ for k in kinds} == set(ran)
+    wait_all_blocks_free(fe, timeout=60)
+    assert all(w["kv_transfers_pending"] == 0 for w in workers(fe).values())
+    ok = httpx.post(completions, json={"model": MODEL, "prompt": "still there?", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
