@@ -6,6 +6,7 @@ client gets a complete stream."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 120,
                    "the frontend never saw both workers")
-        yield url, f"127.0.0.1:{grpc_port}", workers, ports, tmp
+        yield url, f"127.0.0.1:{grpc_port}", workers, ports, tmp, frontend
     finally:
         if frontend is not None and frontend.poll() is None:
             frontend.send_signal(signal.SIGTERM)
@@ -108,7 +109,7 @@ def run_streams(grpc_address: str) -> list[Stream]:
 
 
 def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-untyped-def]
-    url, grpc_address, workers, _, _ = stack
+    url, grpc_address, workers, _, _, _ = stack
     reference = run_streams(grpc_address)
     for s in reference:
         s.join(120)
@@ -140,7 +141,7 @@ def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-unty
 
 
 def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignore[no-untyped-def]
-    url, grpc_address, workers, ports, tmp = stack
+    url, grpc_address, workers, ports, tmp, _ = stack
     for name in ("d0", "d1"):  # the previous test may have left one dead
         if workers[name].popen.poll() is not None:
             workers[name] = start_decode(name, tmp, ports[name])
@@ -176,3 +177,54 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
     assert exits == {"d0": 0, "d1": 0}
     assert done and all(s.error is None and len(s.tokens) == MAX_TOKENS for s in done), \
         [(s.error, len(s.tokens)) for s in done if s.error or len(s.tokens) != MAX_TOKENS]
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignore[no-untyped-def]
+    """Issue 7 acceptance 6, CI-sized (SPLITSERVE_SOAK_SECONDS, default 60; the
+    issue's full run is 300): a steady moderate load; after a warm-up quarter,
+    every process's RSS stays within 10% and no request fails."""
+    url, grpc_address, workers, ports, tmp, frontend = stack
+    for name in ("d0", "d1"):
+        if workers[name].popen.poll() is not None:
+            workers[name] = start_decode(name, tmp, ports[name])
+            workers[name].wait_ready()
+    wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
+    seconds = float(os.environ.get("SPLITSERVE_SOAK_SECONDS", "60"))
+    pids = {"frontend": frontend.pid, **{n: w.popen.pid for n, w in workers.items()}}
+    stop = threading.Event()
+    done: list[Stream] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            s = Stream(grpc_address, PROMPTS[i % len(PROMPTS)] + f" (variation {len(done)})")
+            s.run()
+            done.append(s)
+            time.sleep(0.05)
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(2)]
+    for c in clients:
+        c.start()
+    start = time.monotonic()
+    time.sleep(seconds / 4)  # warm-up: caches fill, allocators settle
+    baseline = {name: rss_bytes(pid) for name, pid in pids.items()}
+    peak = dict(baseline)
+    while time.monotonic() - start < seconds:
+        time.sleep(1.0)
+        for name, pid in pids.items():
+            peak[name] = max(peak[name], rss_bytes(pid))
+    stop.set()
+    for c in clients:
+        c.join(120)
+    growth = {name: peak[name] / baseline[name] - 1 for name in pids}
+    print("soak:", len(done), "requests;", {n: f"{g:+.1%}" for n, g in growth.items()})
+    assert len(done) >= seconds / 10  # a steady load really ran
+    assert all(s.error is None and len(s.tokens) == MAX_TOKENS for s in done)
+    assert all(g < 0.10 for g in growth.values()), growth
