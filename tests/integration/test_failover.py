@@ -86,6 +86,7 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.address, self.prompt = grpc_address, prompt
         self.tokens: list[int] = []
+        self.arrivals: list[float] = []  # monotonic time of each message
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
 
@@ -96,6 +97,7 @@ class Stream(threading.Thread):
             with grpc.insecure_channel(self.address) as ch:
                 for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=120):
                     self.tokens.extend(r.token_ids)
+                    self.arrivals.append(time.monotonic())
                     self.finish_reason = r.finish_reason or self.finish_reason
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
@@ -124,12 +126,17 @@ def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-unty
     assert all(len(s.tokens) < MAX_TOKENS for s in streams)
     workers["d1"].popen.send_signal(signal.SIGCONT)
     wait_until(lambda: worker_health(url)["d1"] == "healthy", 10, "d1 never came back")
+    killed_at = time.monotonic()
     workers["d0"].kill(signal.SIGKILL)
     killed_after = [len(s.tokens) for s in streams]
     for s in streams:
         s.join(120)
 
     assert any(n < MAX_TOKENS for n in killed_after)  # the kill really cut streams short
+    gaps = [min(t for t in s.arrivals if t > killed_at) - killed_at for s in streams
+            if any(t > killed_at for t in s.arrivals)]
+    print(f"failover: {len(gaps)} streams resumed; first token after the kill within "
+          f"{1000 * min(gaps):.0f}-{1000 * max(gaps):.0f} ms")
     for ref, s in zip(reference, streams, strict=True):
         assert s.error is None, s.error
         assert s.finish_reason == "length"
