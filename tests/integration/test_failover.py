@@ -26,25 +26,30 @@ MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
            f"happens next." for i in range(8)]
+LONG_PROMPT = "The keeper's logbook, day after day, recorded the wind, the tides and the ships. " * 6
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("failover")
-    ports = {"d0": free_port(), "d1": free_port()}
-    workers = {name: start_decode(name, tmp, port) for name, port in ports.items()}
+    ports = {"d0": free_port(), "d1": free_port(), "p0": free_port()}
+    workers = {name: start_named(name, tmp, port) for name, port in ports.items()}
     frontend = None
     try:
-        addresses = ",".join(w.wait_ready() for w in workers.values())
+        for w in workers.values():
+            w.wait_ready()
+        addresses = f"{workers['d0'].address},{workers['d1'].address}"
         port, grpc_port = free_port(), free_port()
         with open(tmp / "frontend.log", "wb") as log:
             frontend = subprocess.Popen(
                 [sys.executable, "-m", "services.frontend", "--port", str(port),
-                 "--grpc-port", str(grpc_port), "--decode", addresses, "--log-level", "warning"],
+                 "--grpc-port", str(grpc_port), "--decode", addresses, "--prefill", workers["p0"].address,
+                 "--log-level", "warning"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 120,
-                   "the frontend never saw both workers")
+        wait_until(lambda: health(url).get("healthy_decode_workers") == 2
+                   and health(url).get("healthy_prefill_workers") == 1, 120,
+                   "the frontend never saw the workers")
         yield url, f"127.0.0.1:{grpc_port}", workers, ports, tmp, frontend
     finally:
         if frontend is not None and frontend.poll() is None:
@@ -56,9 +61,10 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             w.stop()
 
 
-def start_decode(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
-    return start_worker("decode", name, tmp, "--num-blocks", "256", "--grpc-port", str(port),
-                        "--drain-timeout", "20")
+def start_named(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
+    """d*: decode workers, p*: prefill workers (prompts of 64 tokens and more go there)."""
+    return start_worker("decode" if name.startswith("d") else "prefill", name, tmp, "--num-blocks", "256",
+                        "--grpc-port", str(port), "--drain-timeout", "20")
 
 
 def health(url: str) -> dict[str, Any]:
@@ -151,7 +157,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
     url, grpc_address, workers, ports, tmp, _ = stack
     for name in ("d0", "d1"):  # the previous test may have left one dead
         if workers[name].popen.poll() is not None:
-            workers[name] = start_decode(name, tmp, ports[name])
+            workers[name] = start_named(name, tmp, ports[name])
             workers[name].wait_ready()
     wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
 
@@ -160,7 +166,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
 
     def client(i: int) -> None:
         while not stop.is_set():
-            s = Stream(grpc_address, PROMPTS[i])
+            s = Stream(grpc_address, PROMPTS[i] if i else LONG_PROMPT)  # client 0's go through p0
             s.run()
             done.append(s)
 
@@ -168,20 +174,21 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
     for c in clients:
         c.start()
     exits = {}
-    for name in ("d0", "d1"):  # one by one: drain (SIGTERM), wait for a clean exit, start again
+    for name in ("p0", "d0", "d1"):  # one by one: drain (SIGTERM), wait for a clean exit, start again
         mark = len(done)
         wait_until(lambda: len(done) >= mark + 2, 60, "no load")  # noqa: B023 - waited on at once
         workers[name].popen.send_signal(signal.SIGTERM)
         exits[name] = workers[name].popen.wait(timeout=60)
-        workers[name] = start_decode(name, tmp, ports[name])
+        workers[name] = start_named(name, tmp, ports[name])
         workers[name].wait_ready()
-        wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, f"{name} never came back")
+        wait_until(lambda: health(url).get("healthy_decode_workers") == 2
+                   and health(url).get("healthy_prefill_workers") == 1, 30, f"{name} never came back")
     mark = len(done)
     wait_until(lambda: len(done) >= mark + 2, 60, "no load after the restarts")
     stop.set()
     for c in clients:
         c.join(120)
-    assert exits == {"d0": 0, "d1": 0}
+    assert exits == {"p0": 0, "d0": 0, "d1": 0}
     assert done and all(s.error is None and len(s.tokens) == MAX_TOKENS for s in done), \
         [(s.error, len(s.tokens)) for s in done if s.error or len(s.tokens) != MAX_TOKENS]
 
@@ -201,7 +208,7 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     url, grpc_address, workers, ports, tmp, frontend = stack
     for name in ("d0", "d1"):
         if workers[name].popen.poll() is not None:
-            workers[name] = start_decode(name, tmp, ports[name])
+            workers[name] = start_named(name, tmp, ports[name])
             workers[name].wait_ready()
     wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
     seconds = float(os.environ.get("SPLITSERVE_SOAK_SECONDS", "60"))
