@@ -85,8 +85,8 @@ class SpeculativeConfig:
     num_layers: int | None = None  # layerskip: target layers used by the draft
     adaptive: bool = True
     # adaptive: below this acceptance rate (EMA) a request stops proposing...
-    min_acceptance_rate: float = 0.25
-    # ...except for one probe every probe_interval of its decode steps.
+    min_acceptance_rate: float = 0.3
+    # ...except for one-token probes, probe_interval decode steps apart (doubling while they fail).
     probe_interval: int = 16
 
     def __post_init__(self) -> None:

@@ -67,9 +67,14 @@ def draft_dir(model_dir, tmp_path_factory) -> Path:  # type: ignore[no-untyped-d
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    base = LLM(**TIGHT)  # type: ignore[arg-type]
-    return [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY)]
+def base_llm() -> LLM:
+    """Without speculation, and without chunking or preemption (they don't change tokens)."""
+    return LLM(**{**TIGHT, "num_blocks": 128, "max_num_batched_tokens": 2048})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def reference(base_llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [o.outputs[0].token_ids for o in base_llm.generate(PROMPTS, GREEDY)]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +124,17 @@ def test_greedy_tokens_equal_without_speculation(method, reference, request) -> 
     assert_no_block_held(spec_llm)
 
 
+def test_penalties_and_logit_bias_apply_as_without_speculation(ngram_llm, base_llm) -> None:  # type: ignore[no-untyped-def]
+    """Penalties see each draft as already generated at the positions after it."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.1,
+                            frequency_penalty=0.4, presence_penalty=0.2, logit_bias={28: -3.0})
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    drafts = ngram_llm.engine.spec.stats.num_drafts
+    want = [o.outputs[0].token_ids for o in base_llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in ngram_llm.generate(prompts, params)] == want
+    assert ngram_llm.engine.spec.stats.num_drafts > drafts
+
+
 def test_draft_equal_to_target_accepts_everything(model_dir, tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
     """The draft caches stay in step with the target: a draft that is the
     target itself proposes exactly the target's greedy tokens."""
@@ -153,9 +169,9 @@ def test_sampling_with_many_rejections_and_aborts_leaks_no_block(draft_llm) -> N
     assert_no_block_held(spec_llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_seeded_sampling_reproducible_and_opt_out_unaffected(method, request) -> None:  # type: ignore[no-untyped-def]
-    spec_llm = request.getfixturevalue(f"{method}_llm")
+def test_seeded_sampling_reproducible_and_opt_out_unaffected(draft_llm) -> None:  # type: ignore[no-untyped-def]
+    """The draft model draws its drafts from the requests' own seeded RNGs."""
+    spec_llm = draft_llm
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=10, ignore_eos=True, seed=7)
     opted_out = SamplingParams(temperature=0.8, top_k=20, max_tokens=10, ignore_eos=True, seed=9,
                                disable_speculation=True)
@@ -194,3 +210,47 @@ def test_draft_with_another_vocab_or_tokenizer_fails_at_start(model_dir, tmp_pat
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(**TIGHT, speculative_config={"method": "draft", "num_speculative_tokens": 2,  # type: ignore[arg-type]
                                          "model": str(other_tok)})
+
+
+def test_decode_worker_speculates_and_honours_the_opt_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A decode worker process, speculation configured by JSON plus a flag:
+    a request's greedy tokens equal those of the same request opted out over
+    gRPC, and the worker's load report counts the drafts of the first only."""
+    import grpc
+
+    from protos import pb, pb_grpc
+    from services.convert import sampling_to_proto
+
+    from .procs import start_worker
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    proc = start_worker("decode", "sd0", tmp_path, "--num-blocks", "64", "--speculative-config", spec,
+                        "--prompt-lookup-min", "2")
+    try:
+        with grpc.insecure_channel(proc.wait_ready()) as ch:
+            stub = pb_grpc.DecodeStub(ch)
+
+            def counters() -> dict[str, float]:
+                report = next(iter(stub.WatchLoad(pb.LoadRequest(interval_seconds=0.1))))
+                return dict(report.counters)
+
+            def tokens(rid: str, params: SamplingParams) -> list[int]:
+                req = pb.WorkerGenerateRequest(request_id=rid, prompt_token_ids=ids,
+                                               sampling=sampling_to_proto(params))
+                return [t for c in stub.Generate(req, timeout=120) for t in c.token_ids]
+
+            from engine.models.loader import load_tokenizer, resolve_model
+
+            ids = load_tokenizer(resolve_model(None)).encode(PROMPTS[0])
+            before = counters()
+            opted_out = tokens("plain", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                       disable_speculation=True))
+            middle = counters()
+            assert middle["spec_decode_num_drafts"] == before["spec_decode_num_drafts"]
+            speculated = tokens("spec", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            after = counters()
+        assert speculated == opted_out and len(speculated) == 12
+        assert after["spec_decode_num_drafts"] > middle["spec_decode_num_drafts"]
+        assert 0 < after["spec_decode_num_accepted_tokens"] <= after["spec_decode_num_draft_tokens"]
+    finally:
+        proc.stop()

@@ -31,24 +31,28 @@ def test_vllm_shaped_dict() -> None:
     assert not SpeculativeConfig.from_dict(None).enabled
 
 
-def test_adaptive_k_shrinks_pauses_and_probes() -> None:
-    a = AdaptiveK(k_max=4, enabled=True, min_rate=0.25, probe_interval=5)
+def test_adaptive_k_shrinks_pauses_and_probes_with_backoff() -> None:
+    a = AdaptiveK(k_max=4, enabled=True, min_rate=0.3, probe_interval=4)
     first = a.num_to_propose("r")
     assert 1 <= first <= 4
     for _ in range(3):
         a.observe("r", 4, 4)
     assert a.num_to_propose("r") == 4  # all accepted: full length
     ks = []
-    for _ in range(12):
+    for _ in range(40):
         k = a.num_to_propose("r")
         ks.append(k)
         a.observe("r", k, 0)  # nothing accepted
-    assert ks[0] > ks[2] > 0 and 0 in ks  # proposes fewer, then none...
-    paused = ks[ks.index(0):]
-    assert set(paused) <= {0, 1} and 1 in paused  # ...but probes with one token
+    assert ks[0] == 4 and 0 < ks[1] < 4 and ks[3] == 0  # proposes fewer, then none...
+    probes = [i for i, k in enumerate(ks) if i > 3 and k]
+    assert all(ks[i] == 1 for i in probes) and len(probes) >= 2  # ...but probes with one token,
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # less and less often while probes fail
+    a.observe("r", 1, 1)  # a probe succeeds: speculating again
+    assert a.num_to_propose("r") >= 1
     a.forget("r")
     assert a.num_to_propose("r") == first
-    off = AdaptiveK(k_max=3, enabled=False, min_rate=0.25, probe_interval=5)
+    off = AdaptiveK(k_max=3, enabled=False, min_rate=0.3, probe_interval=5)
     off.observe("r", 3, 0)
     assert off.num_to_propose("r") == 3
 
