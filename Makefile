@@ -9,7 +9,7 @@ up: setup
 	splitserve up
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 unit:
 	$(PY) -m pytest -q tests/unit
