@@ -180,6 +180,13 @@ class _LoadCollector(Collector):
                                     labels=LABELS)
             c.add_metric(self.labels, value)
             yield c
+        per_pos = CounterMetricFamily("splitserve_spec_decode_num_accepted_tokens_per_pos",
+                                      "accepted draft tokens by their position in the draft",
+                                      labels=[*LABELS, "position"])
+        spec = self.state.engine.engine.spec
+        for pos, accepted in enumerate(list(spec.stats.accepted_per_position) if spec is not None else []):
+            per_pos.add_metric([*self.labels, str(pos)], accepted)
+        yield per_pos
 
 
 def start_metrics_server(metrics: WorkerMetrics, host: str, port: int) -> str:

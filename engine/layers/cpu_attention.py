@@ -15,6 +15,19 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 
 
+def stable_source(build_dir: Path) -> Path:
+    """The kernel's source copied into the cache: the build records the source's
+    path, so building from the checkout would rebuild (about a minute) for every
+    clone; from here one build serves them all until the source changes."""
+    dst = build_dir / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not dst.exists() or dst.read_bytes() != text:
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        os.replace(tmp, dst)  # atomic: workers starting together never read half a file
+    return dst
+
+
 @functools.cache
 def load_cpu_kernel() -> ModuleType | None:
     if os.environ.get("SPLITSERVE_NO_CPU_KERNEL"):
@@ -26,7 +39,7 @@ def load_cpu_kernel() -> ModuleType | None:
 
         build_dir = cache_dir() / "kernels"
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name="splitserve_paged_attention_cpu", sources=[str(SOURCE)],
+        return load(name="splitserve_paged_attention_cpu", sources=[str(stable_source(build_dir))],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path

@@ -249,6 +249,15 @@ def test_decode_worker_speculates_and_honours_the_opt_out(tmp_path) -> None:  # 
             assert middle["spec_decode_num_drafts"] == before["spec_decode_num_drafts"]
             speculated = tokens("spec", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
             after = counters()
+            info = stub.Info(pb.InfoRequest(), timeout=10)
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        per_pos = {s.labels["position"]: s.value
+                   for f in text_string_to_metric_families(httpx.get(info.metrics_url, timeout=10).text)
+                   for s in f.samples if s.name == "splitserve_spec_decode_num_accepted_tokens_per_pos_total"}
+        assert sorted(per_pos) == ["0", "1", "2", "3"]  # k = 4 positions
+        assert sum(per_pos.values()) == after["spec_decode_num_accepted_tokens"]
         assert speculated == opted_out and len(speculated) == 12
         assert after["spec_decode_num_drafts"] > middle["spec_decode_num_drafts"]
         assert 0 < after["spec_decode_num_accepted_tokens"] <= after["spec_decode_num_draft_tokens"]
