@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.ttft_split import wait  # a worker's ready file -> its address
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 POLICIES = ("kv-aware", "round-robin", "random")
@@ -53,7 +55,7 @@ class Stack:
             ready[name] = tmp / f"{policy}-{name}.addr"
             self._spawn([f"services.{role}", "--worker-id", name, *flags, "--num-blocks", str(blocks),
                          "--ready-file", str(ready[name])])
-        addr = {name: _wait_file(path) for name, path in ready.items()}
+        addr = {name: wait(path) for name, path in ready.items()}
         self.url = f"http://127.0.0.1:{free_port()}"
         self._spawn(["services.frontend", "--port", self.url.rsplit(":", 1)[1], "--grpc-port",
                      str(free_port()), "--decode", addr["d0"], "--prefill", f"{addr['pa']},{addr['pb']}",
@@ -81,15 +83,6 @@ class Stack:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-def _wait_file(path: Path, timeout: float = 300) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{path} never appeared")
-        time.sleep(0.1)
-    return path.read_text().strip()
 
 
 def prefill_counters(url: str) -> dict[str, float]:
