@@ -156,6 +156,13 @@ def describe(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str
 
 
 def main(args: argparse.Namespace) -> int:
+    summary, _ = measure(args)
+    return 0 if summary["completed"] else 1
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestResult]]:
+    """Run the workload against the server; print and return the summary and
+    the per-request results (in request order)."""
     base = args.base_url.rstrip("/").removesuffix("/v1")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
@@ -181,4 +188,4 @@ def main(args: argparse.Namespace) -> int:
             f.write(line + "\n")
     if args.plot and not plot(results, summary, args.plot, title):
         print("bench serve: matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
-    return 0 if summary["completed"] else 1
+    return summary, results

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig
 from engine.layers.attention import AttentionMetadata, paged_attention
-from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, inv_freq
 from engine.sampler import SampledToken, SamplingRow, sample
@@ -79,7 +79,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = inv_freq(spec)  # the one built under the meta device holds no data
     model.load_hf_state_dict(tensors)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu" and dtype == torch.float32:
+        kernel = load_linear_kernel()
+        if kernel is not None:
+            model.pack_linears(kernel)
+    return model
 
 
 class ModelRunner:

@@ -1,6 +1,7 @@
-"""Builds and loads the CPU decode-attention kernel (csrc/paged_attention_cpu.cpp)
-once per machine, cached under the splitserve cache dir.  If the build fails
-(no compiler, no ninja) the engine keeps the pure-torch path."""
+"""Builds and loads the CPU kernels (csrc/): decode attention over the paged
+cache and float32 linear layers over packed weights, once per machine, cached
+under the splitserve cache dir.  If a build fails (no compiler, no ninja) the
+engine keeps the pure-torch path."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_attention_cpu.cpp"
 
 
-def stable_source(build_dir: Path) -> Path:
+def stable_source(build_dir: Path, source: Path = SOURCE) -> Path:
     """The kernel's source copied into the cache: the build records the source's
     path, so building from the checkout would rebuild (about a minute) for every
     clone; from here one build serves them all until the source changes."""
-    dst = build_dir / SOURCE.name
-    text = SOURCE.read_bytes()
+    dst = build_dir / source.name
+    text = source.read_bytes()
     if not dst.exists() or dst.read_bytes() != text:
         tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
         tmp.write_bytes(text)
@@ -28,8 +30,7 @@ def stable_source(build_dir: Path) -> Path:
     return dst
 
 
-@functools.cache
-def load_cpu_kernel() -> ModuleType | None:
+def build(name: str, source: Path) -> ModuleType | None:
     if os.environ.get("SPLITSERVE_NO_CPU_KERNEL"):
         return None
     try:
@@ -37,11 +38,21 @@ def load_cpu_kernel() -> ModuleType | None:
 
         from engine.models.loader import cache_dir
 
-        build_dir = cache_dir() / "kernels"
+        build_dir = cache_dir() / "kernels" / name  # one ninja file per extension
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name="splitserve_paged_attention_cpu", sources=[str(stable_source(build_dir))],
+        return load(name=name, sources=[str(stable_source(build_dir, source))],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
-        log.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        log.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)
         return None
+
+
+@functools.cache
+def load_cpu_kernel() -> ModuleType | None:
+    return build("splitserve_paged_attention_cpu", SOURCE)
+
+
+@functools.cache
+def load_linear_kernel() -> ModuleType | None:
+    return build("splitserve_linear_cpu", CSRC / "linear_cpu.cpp")

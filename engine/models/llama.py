@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -97,6 +98,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class PackedLinear(nn.Module):
+    """A float32 linear layer whose weight is packed once for the CPU kernel
+    (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
+    dominates decode steps of a few rows.  Holds the packed copy only."""
+
+    def __init__(self, linear: nn.Linear, kernel: ModuleType) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        self.register_buffer("panels", kernel.pack_weight(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int) -> None:
         super().__init__()
@@ -157,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def pack_linears(self, kernel: ModuleType) -> None:
+        """Swap every projection and the head for a PackedLinear (CPU, float32)."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                setattr(layer, name, PackedLinear(getattr(layer, name), kernel))
+        self.lm_head = PackedLinear(self.lm_head, kernel)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """A model made of this one's embedding, first num_layers layers, final

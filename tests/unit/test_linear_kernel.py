@@ -1,0 +1,93 @@
+"""The packed float32 linear kernel (engine/layers/csrc/linear_cpu.cpp) that the
+engine's projections and head run through on CPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.models.llama import PackedLinear
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    return k
+
+
+# Row counts around the 6-row micro-kernel and the 192-row chunk; column counts
+# that are and are not a multiple of the 16-wide panel.
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 191, 192, 193, 400])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 33), (96, 200), (24, 7)])
+def test_packed_linear_matches_torch(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k_in, generator=gen)
+    w = torch.randn(n, k_in, generator=gen)
+    b = torch.randn(n, generator=gen)
+    panels = kernel.pack_weight(w)
+    assert panels.shape == ((n + 15) // 16, k_in, 16)
+    torch.testing.assert_close(kernel.packed_linear(x, panels, n), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernel.packed_linear(x, panels, n, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_linear_keeps_leading_dims_and_takes_no_rows(kernel) -> None:  # type: ignore[no-untyped-def]
+    w = torch.randn(40, 32)
+    panels = kernel.pack_weight(w)
+    x = torch.randn(2, 3, 32)
+    y = kernel.packed_linear(x, panels, 40)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert kernel.packed_linear(torch.empty(0, 32), panels, 40).shape == (0, 40)
+    # a non-contiguous input (a column slice) is read correctly
+    xs = torch.randn(5, 64)[:, 16:48]
+    torch.testing.assert_close(kernel.packed_linear(xs, panels, 40), F.linear(xs, w), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_shapes_and_dtypes_are_clear_errors(kernel) -> None:  # type: ignore[no-untyped-def]
+    panels = kernel.pack_weight(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.packed_linear(torch.randn(2, 31), panels, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.packed_linear(torch.randn(2, 32, dtype=torch.float64), panels, 40)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        kernel.packed_linear(torch.randn(2, 32), panels, 60)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.pack_weight(torch.randn(4, 4, dtype=torch.bfloat16))
+
+
+def test_packed_linear_module_replaces_nn_linear(kernel) -> None:  # type: ignore[no-untyped-def]
+    lin = nn.Linear(48, 70, bias=True)
+    packed = PackedLinear(lin, kernel)
+    x = torch.randn(9, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)
+    assert packed.out_features == 70 and packed.bias is lin.bias
+
+
+def test_the_loaded_model_runs_packed_and_agrees_with_the_plain_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On CPUs in float32 the engine's model runs every projection and the head
+    through the kernel, and computes what the plain torch layers compute."""
+    import engine.model_runner as model_runner
+    from engine.models.loader import resolve_model
+
+    model_dir = resolve_model(None)
+    packed = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert isinstance(packed.lm_head, PackedLinear)
+    assert all(isinstance(getattr(layer, name), PackedLinear) for layer in packed.layers
+               for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    monkeypatch.setattr(model_runner, "load_linear_kernel", lambda: None)
+    plain = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert isinstance(plain.lm_head, nn.Linear)
+    hidden = torch.randn(3, packed.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = packed.compute_logits(hidden), plain.compute_logits(hidden)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        x = hidden[:2]
+        for name in ("qkv_proj", "gate_up_proj"):
+            torch.testing.assert_close(getattr(packed.layers[3], name)(x), getattr(plain.layers[3], name)(x),
+                                       rtol=1e-4, atol=1e-4)
