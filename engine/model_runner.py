@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,7 +18,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.model_inputs import Chunk, build_inputs
-from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, inv_freq
+from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, bare_modules
 from engine.sampler import SampledToken, SamplingRow, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.rejection import VerifyItem, rejection_sample
@@ -60,6 +63,18 @@ def available_memory(device: torch.device) -> int:
     return 4 << 30
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages are not touched until used.  On CPUs it lives
+    in an anonymous mapping, which the OS zero-fills page by page on first
+    use: torch.zeros writes every page up front, about 5 s for a 5 GiB KV
+    cache on one core, all of it on a worker's start-up path."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps buf alive
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     from safetensors import safe_open
 
@@ -72,19 +87,58 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118
                 tensors[name] = st.get_tensor(name)
-    with torch.device("meta"):
+    with bare_modules():
         model = LlamaForCausalLM(spec)
     model = model.to_empty(device="cpu").to(dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = inv_freq(spec)  # the one built under the meta device holds no data
-    model.load_hf_state_dict(tensors)
-    model = model.to(device).eval()
-    if device.type == "cpu" and dtype == torch.float32:
-        kernel = load_linear_kernel()
-        if kernel is not None:
-            model.pack_linears(kernel)
+    kernel = load_linear_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+    if kernel is None:
+        model.load_hf_state_dict(tensors)
+        return model.to(device).eval()
+    cache = packed_cache_path(model_dir, files)
+    panels = load_packed(cache)
+    model.load_hf_state_dict(tensors, skip_linear_weights=panels is not None)
+    model.eval().pack_linears(kernel, panels)
+    if panels is None:
+        save_packed(model.packed_panels(), cache)
     return model
+
+
+def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
+    """Where the packed weights of these safetensors files are kept: the key
+    changes with the files and with the kernel's source (its packing layout)."""
+    from engine.layers.cpu_attention import CSRC
+    from engine.models.loader import cache_dir
+
+    h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_dir() / "packed" / f"{model_dir.name}-{h.hexdigest()[:16]}.pt"
+
+
+def load_packed(path: Path) -> dict[str, torch.Tensor] | None:
+    """Packed weights saved by an earlier start, mapped from the file (no copy:
+    workers on one machine share its pages); None if there are none."""
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a bad cache file is rebuilt, never fatal
+        log.warning("packed weights at %s unreadable (%s); packing again", path, e)
+        return None
+
+
+def save_packed(panels: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Best effort: a start that cannot write the cache still serves."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(dict(panels), tmp)
+        os.replace(tmp, path)  # atomic: workers starting together never read half a file
+    except OSError as e:
+        log.warning("could not save packed weights to %s: %s", path, e)
 
 
 class ModelRunner:
@@ -100,8 +154,8 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
         s = self.spec
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block is contiguous.
-        self.kv_cache = torch.zeros(self.num_blocks, s.num_layers, 2, self.block_size,
-                                    s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
+                                    s.head_dim), self.dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step

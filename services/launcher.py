@@ -5,6 +5,7 @@ endpoints, and stops everything cleanly on Ctrl-C / SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,15 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
     return out
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 class Stack:
@@ -67,12 +77,17 @@ class Stack:
         if a.otlp_endpoint:
             common += ["--otlp-endpoint", a.otlp_endpoint]
         pending = []
+        # Each worker's gRPC port is chosen here, so the frontend starts alongside
+        # the workers (its start-up overlaps theirs) and connects as they come up.
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in (("prefill", a.prefill), ("decode", a.decode)):
             for i in range(count):
                 name = f"{role}-{i}"
                 ready = self.tmp / f"{name}.addr"
+                port = free_port(a.host)
+                addrs[role].append(f"{a.host}:{port}")
                 argv = [f"services.{role}", *common, "--worker-id", name, "--ready-file", str(ready),
-                        "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
+                        "--grpc-port", str(port), "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
                 cpus = pinning.get(name)
                 argv += ["--num-threads", str(a.num_threads or (len(cpus) if cpus else threads))]
                 if cpus:
@@ -81,9 +96,6 @@ class Stack:
                     argv += ["--local-prefill-threshold", str(a.local_prefill_threshold),
                              "--kv-failure-policy", a.kv_failure_policy, *speculative_argv(a)]
                 pending.append((name, self._spawn(name, argv), ready))
-        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for name, proc, ready in pending:
-            addrs[name.split("-")[0]].append(self._wait_ready(name, proc, ready, a.start_timeout))
         argv = ["services.frontend", "--host", a.host, "--port", str(a.port), "--grpc-port", str(a.grpc_port),
                 "--decode", ",".join(addrs["decode"]),
                 "--local-prefill-threshold", str(a.local_prefill_threshold), "--routing", a.routing]
@@ -96,21 +108,24 @@ class Stack:
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
         frontend = self._spawn("frontend", argv)
-        self._wait_http(frontend, f"http://{a.host}:{a.port}/health", a.start_timeout)
+        for name, proc, ready in pending:
+            self._wait_ready(name, proc, ready, a.start_timeout)
+        self._wait_http(frontend, f"http://{a.host}:{a.port}/health", a.start_timeout, a.prefill)
         return addrs
 
-    def _wait_http(self, proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    def _wait_http(self, proc: subprocess.Popen[bytes], url: str, timeout: float, prefill: int) -> None:
+        """Until the frontend is healthy and sees every prefill worker."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"frontend exited with {proc.returncode} during start-up")
             try:
                 with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
+                    if r.status == 200 and json.load(r).get("healthy_prefill_workers", 0) >= prefill:
                         return
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"frontend not healthy at {url} after {timeout:.0f} s")
 
     def stop(self) -> None:

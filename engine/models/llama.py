@@ -6,8 +6,9 @@ metadata says which rows belong to which sequence.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
@@ -58,6 +59,23 @@ class LlamaSpec:
             qkv_bias=arch == "qwen2" or cfg.get("attention_bias", False))
 
 
+@contextlib.contextmanager
+def bare_modules() -> Iterator[None]:
+    """Build modules on the meta device without running their weight init: the
+    weights are loaded right after, and torch's random init on meta tensors
+    imports its reference ops (about 3 s of a worker's start-up)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def inv_freq(spec: LlamaSpec) -> torch.Tensor:
     d = spec.head_dim
     # float32 like the reference implementation, so positions rotate identically.
@@ -103,11 +121,16 @@ class PackedLinear(nn.Module):
     (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
     dominates decode steps of a few rows.  Holds the packed copy only."""
 
-    def __init__(self, linear: nn.Linear, kernel: ModuleType) -> None:
+    def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
-        self.register_buffer("panels", kernel.pack_weight(linear.weight.detach()), persistent=False)
+        if panels is None:
+            panels = kernel.pack_weight(linear.weight.detach())
+        elif panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
+            raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
+                             f"{self.in_features}->{self.out_features} layer")
+        self.register_buffer("panels", panels, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +178,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: it stays float32 when the weights change dtype.
-        self.inv_freq = inv_freq(spec)
+        # Always computed on the CPU: on the meta device it would hold no data (and cost
+        # torch's reference-op imports, seconds of start-up).
+        with torch.device("cpu"):
+            self.inv_freq = inv_freq(spec)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
@@ -175,12 +201,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def pack_linears(self, kernel: ModuleType) -> None:
-        """Swap every projection and the head for a PackedLinear (CPU, float32)."""
-        for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(layer, name, PackedLinear(getattr(layer, name), kernel))
-        self.lm_head = PackedLinear(self.lm_head, kernel)
+    def linear_names(self) -> list[str]:
+        """The layers pack_linears swaps, by attribute path."""
+        return [f"layers.{i}.{name}" for i in range(len(self.layers))
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + ["lm_head"]
+
+    def pack_linears(self, kernel: ModuleType, panels: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Swap every projection and the head for a PackedLinear (CPU, float32),
+        packing their weights or taking `panels` packed before (by linear_names)."""
+        for path in self.linear_names():
+            parent_path, _, name = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            packed = None if panels is None else panels[path]
+            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed))
+
+    def packed_panels(self) -> dict[str, torch.Tensor]:
+        return {path: self.get_submodule(path).panels for path in self.linear_names()}
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """A model made of this one's embedding, first num_layers layers, final
@@ -190,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         if not 1 <= num_layers < self.spec.num_layers:
             raise ValueError(f"speculative_config.num_layers: must be in [1, {self.spec.num_layers - 1}] "
                              f"for a {self.spec.num_layers}-layer model, got {num_layers}")
-        with torch.device("meta"):
+        with bare_modules():
             draft = LlamaForCausalLM(replace(self.spec, num_layers=num_layers))
         draft.embed_tokens = self.embed_tokens
         draft.layers = nn.ModuleList(self.layers[:num_layers])
@@ -199,15 +235,22 @@ class LlamaForCausalLM(nn.Module):
         draft.inv_freq = self.inv_freq
         return draft.eval()
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face tensor names, fusing q/k/v and gate/up."""
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False) -> None:
+        """Load Hugging Face tensor names, fusing q/k/v and gate/up.  With
+        skip_linear_weights the projections' and head's weights are left out
+        (their packed copies come from elsewhere); biases and the rest load."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
+        skipped = {f"{path}.weight" for path in self.linear_names()} if skip_linear_weights else set()
+        if skipped and self.spec.tie_word_embeddings:
+            skipped.discard("lm_head.weight")  # it is the embedding
 
-        def put(name: str, value: torch.Tensor) -> None:
-            with torch.no_grad():
-                own[name].copy_(value)
+        def put(name: str, value: torch.Tensor | Callable[[], torch.Tensor]) -> None:
             loaded.add(name)
+            if name in skipped:
+                return
+            with torch.no_grad():
+                own[name].copy_(value() if callable(value) else value)
 
         def get(name: str) -> torch.Tensor:
             return tensors[name]
@@ -220,13 +263,13 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             put(f"layers.{i}.qkv_proj.weight",
-                torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
+                lambda a=a: torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
             if self.spec.qkv_bias:
                 put(f"layers.{i}.qkv_proj.bias",
                     torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
             put(f"layers.{i}.o_proj.weight", get(a + "o_proj.weight"))
             put(f"layers.{i}.gate_up_proj.weight",
-                torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                lambda p=p: torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             put(f"layers.{i}.down_proj.weight", get(p + "mlp.down_proj.weight"))
             put(f"layers.{i}.input_layernorm.weight", get(p + "input_layernorm.weight"))
             put(f"layers.{i}.post_attention_layernorm.weight", get(p + "post_attention_layernorm.weight"))

@@ -90,6 +90,13 @@ def _convert_gguf(gguf: Path) -> Path:
 
 
 def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    """The model's tokenizer.  A tokenizer.json holds the whole pipeline, so it
+    loads as a plain fast tokenizer: AutoTokenizer would first import the
+    model's config class and its dependencies, 3 s of every worker's start."""
+    if (Path(model_dir) / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -21,11 +21,11 @@ from services.index.embedded import EmbeddedPrefixIndex
 Role = Literal["decode", "prefill"]
 log = logging.getLogger("splitserve.frontend.workers")
 
-# Reconnect backoff capped at 1 s (gRPC's default grows to 120 s), so that a
-# restarted worker is seen again within about a second.
+# Reconnect backoff capped at 250 ms (gRPC's default grows to 120 s), so that a
+# worker starting or restarting is seen within a quarter second of listening.
 _CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1_000),
+                    ("grpc.max_reconnect_backoff_ms", 250),
                     ("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20)]
 _INFO_TIMEOUT_S = 2.0
@@ -114,7 +114,8 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                self.info = await self.stub.Info(pb.InfoRequest(), timeout=_INFO_TIMEOUT_S)
+                # wait_for_ready: the call goes out the moment the channel connects
+                self.info = await self.stub.Info(pb.InfoRequest(), timeout=_INFO_TIMEOUT_S, wait_for_ready=True)
                 self._check_info()
                 self.info_ready.set()
                 stream = self.stub.WatchLoad(pb.LoadRequest(interval_seconds=self.interval))

@@ -91,3 +91,26 @@ def test_the_loaded_model_runs_packed_and_agrees_with_the_plain_one(monkeypatch)
         for name in ("qkv_proj", "gate_up_proj"):
             torch.testing.assert_close(getattr(packed.layers[3], name)(x), getattr(plain.layers[3], name)(x),
                                        rtol=1e-4, atol=1e-4)
+    # what the engine runs is exactly the plain weights, packed (from the cache or not)
+    for path in ("layers.0.qkv_proj", "layers.29.down_proj", "lm_head"):
+        weight = plain.get_submodule(path).weight.detach()
+        assert torch.equal(packed.get_submodule(path).panels, packed.lm_head.kernel.pack_weight(weight))
+
+
+def test_packed_weights_are_cached_and_a_bad_cache_is_rebuilt(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import engine.model_runner as model_runner
+    from engine.models.loader import resolve_model
+
+    cache = tmp_path / "packed.pt"
+    monkeypatch.setattr(model_runner, "packed_cache_path", lambda *_: cache)
+    model_dir = resolve_model(None)
+    first = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert cache.exists()
+    cached = model_runner.load_packed(cache)
+    assert cached is not None and set(cached) == set(first.linear_names())
+    second = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert torch.equal(second.layers[7].gate_up_proj.panels, first.layers[7].gate_up_proj.panels)
+    cache.write_bytes(b"not a torch file")
+    third = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert torch.equal(third.lm_head.panels, first.lm_head.panels)
+    assert model_runner.load_packed(cache) is not None  # rewritten
