@@ -111,7 +111,10 @@ def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     from engine.layers.cpu_attention import CSRC
     from engine.models.loader import cache_dir
 
+    from engine.models import llama
+
     h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
+    h.update(Path(llama.__file__).read_bytes())  # the packing code
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -137,6 +140,10 @@ def save_packed(panels: Mapping[str, torch.Tensor], path: Path) -> None:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         torch.save(dict(panels), tmp)
         os.replace(tmp, path)  # atomic: workers starting together never read half a file
+        stem = path.stem.rsplit("-", 1)[0]
+        for old in path.parent.glob(f"{stem}-*.pt"):  # packings of older code or files
+            if old != path and old.stem.rsplit("-", 1)[0] == stem:
+                old.unlink(missing_ok=True)
     except OSError as e:
         log.warning("could not save packed weights to %s: %s", path, e)
 

@@ -116,24 +116,65 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
+    """The weight as exact 4-bit blocks for kernel.q4_linear, if it is one: a
+    matrix dequantized from GGUF Q4_1 (w = d * q + m, q in 0..15, d and m
+    float16, per 32 inputs).  None unless every weight rebuilds bit for bit."""
+    n, k = weight.shape
+    if k % 32:
+        return None
+    p = (n + 15) // 16
+    w = torch.zeros(p * 16, k, dtype=torch.float32)
+    w[:n] = weight
+    w3 = w.view(p * 16, k // 32, 32)
+    m = w3.amin(-1)
+    d = ((w3.amax(-1) - m) / 15).half().float()
+    if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
+        return None
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15)
+    if not torch.equal(d[..., None] * q + m[..., None], w3):  # mul, then add: as the kernel rebuilds
+        return None
+    kb = k // 32
+    dm = torch.cat([d.view(p, 16, kb).transpose(1, 2), m.view(p, 16, kb).transpose(1, 2)], dim=-1)
+    qb = q.to(torch.uint8).view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
+    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+    blocks = torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
+                        nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
+    if not torch.equal(kernel.q4_unpack(blocks, n), weight):
+        return None
+    return blocks
+
+
+# Up to this many rows a projection reads its 4-bit copy (decoding few sequences
+# is memory-bound); beyond, the float32 panels (rebuilding weights costs compute).
+Q4_MAX_ROWS = 4
+
+
 class PackedLinear(nn.Module):
     """A float32 linear layer whose weight is packed once for the CPU kernel
     (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
     dominates decode steps of a few rows.  Holds the packed copy only."""
 
-    def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None,
+                 q4: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
         if panels is None:
-            panels = kernel.pack_weight(linear.weight.detach())
+            weight = linear.weight.detach()
+            panels = kernel.pack_weight(weight)
+            q4 = q4_blocks(weight, kernel)
         elif panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
             raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
                              f"{self.in_features}->{self.out_features} layer")
         self.register_buffer("panels", panels, persistent=False)
+        self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
+            return self.kernel.q4_linear(x, self.q4, self.out_features, self.bias)
         return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
 
 
@@ -151,9 +192,12 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.scale = d ** -0.5
+        self.fused: ModuleType | None = None  # the CPU kernels' fused small ops, set by pack_linears
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
+        if self.fused is not None:
+            return self._forward_fused(self.fused, x, cos, sin, kv_cache, meta, attn)
         s, t = self.spec, x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -165,6 +209,20 @@ class LlamaLayer(nn.Module):
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(self, f: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
+        """forward() with the small ops fused (CPU, float32).  Updates x, the
+        residual stream, in place."""
+        s, t = self.spec, x.shape[0]
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = self.qkv_proj(f.rms_norm(x, norm1.weight, norm1.eps))
+        q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
+                                   s.num_heads, s.num_kv_heads)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
+        h = f.rms_norm(self.o_proj(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)  # x += o_proj(o)
+        return x.add_(self.down_proj(f.silu_and_mul(self.gate_up_proj(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta, attn)
+        if self.layers[0].fused is not None:
+            return self.layers[0].fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -212,11 +272,21 @@ class LlamaForCausalLM(nn.Module):
         for path in self.linear_names():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
-            packed = None if panels is None else panels[path]
-            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed))
+            packed = q4 = None
+            if panels is not None:
+                packed, q4 = panels[path], panels.get(f"{path}#q4")
+            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+        for layer in self.layers:
+            layer.fused = kernel
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
-        return {path: self.get_submodule(path).panels for path in self.linear_names()}
+        out = {}
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            out[path] = layer.panels
+            if layer.q4 is not None:
+                out[f"{path}#q4"] = layer.q4
+        return out
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """A model made of this one's embedding, first num_layers layers, final

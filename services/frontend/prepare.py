@@ -22,7 +22,8 @@ from services.frontend.tokenizer import ChatTemplateError, Tokenizer
 # Request fields passed to SamplingParams as they are, when set.
 _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                     "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                    "disable_speculation")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Guards: what one request may ask for, so that no request can cost without bound.

@@ -47,6 +47,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    disable_speculation: bool | None = None  # opt this request out of speculative decoding
 
 
 class CompletionRequest(_SamplingFields):

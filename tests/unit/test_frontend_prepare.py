@@ -50,13 +50,14 @@ def test_completion_maps_every_sampling_field() -> None:
         model="m", prompt="hi", n=2, max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1,
         repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=-0.2, logit_bias={"7": 3},
         seed=42, stop=["x"], stop_token_ids=[9], ignore_eos=True, min_tokens=1, logprobs=3,
-        priority=2, cache_salt="s", user="u"), "r1")
+        priority=2, cache_salt="s", user="u", disable_speculation=True), "r1")
     p = plan.prompts[0].params
     assert plan.prompts[0].token_ids == [ord("h"), ord("i")]
     assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (2, 5, 0.5, 0.9, 3, 0.1)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.2, -0.2)
     assert p.logit_bias == {7: 3.0} and p.seed == 42 and p.stop_strings == ("x",)
     assert p.stop_token_ids == [9] and p.ignore_eos and p.min_tokens == 1 and p.logprobs == 3
+    assert p.disable_speculation
     assert (plan.priority, plan.cache_salt, plan.logprobs, plan.n) == (2, "s", 3, 2)
 
 

@@ -107,10 +107,108 @@ def test_packed_weights_are_cached_and_a_bad_cache_is_rebuilt(monkeypatch, tmp_p
     first = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
     assert cache.exists()
     cached = model_runner.load_packed(cache)
-    assert cached is not None and set(cached) == set(first.linear_names())
+    assert cached is not None and set(first.linear_names()) <= set(cached)
+    assert set(cached) == set(first.packed_panels())
     second = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
     assert torch.equal(second.layers[7].gate_up_proj.panels, first.layers[7].gate_up_proj.panels)
     cache.write_bytes(b"not a torch file")
     third = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
     assert torch.equal(third.lm_head.panels, first.lm_head.panels)
     assert model_runner.load_packed(cache) is not None  # rewritten
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_fused_rms_norm_matches_the_module(kernel, rows: int) -> None:  # type: ignore[no-untyped-def]
+    from engine.models.llama import RMSNorm
+
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+        x, r = torch.randn(rows, 96), torch.randn(rows, 96)
+        torch.testing.assert_close(kernel.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5, atol=1e-5)
+        residual = r.clone()
+        out = kernel.rms_norm(x, norm.weight, norm.eps, residual)
+        torch.testing.assert_close(residual, r + x)  # the residual stream is updated in place
+        torch.testing.assert_close(out, norm(r + x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="weight has"):
+        kernel.rms_norm(x, torch.ones(95), 1e-5)
+
+
+def test_fused_rope_and_kv_store_match_the_torch_ops(kernel) -> None:  # type: ignore[no-untyped-def]
+    from engine.layers.attention import write_kv
+    from engine.models.llama import apply_rope
+
+    t, hq, hkv, d, bs = 5, 6, 2, 16, 4
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    ang = torch.randn(t, 1, d // 2, generator=gen)
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.tensor([13, 2, 7, 30, 0])
+    layer = 1
+    cache = torch.zeros(8, 3, 2, bs, hkv, d)
+    q, k = kernel.rope_and_store_kv(qkv, cos, sin, cache, layer, slots, hq, hkv)
+    rq, rk, rv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    rq, rk = apply_rope(rq.view(t, hq, d), cos, sin), apply_rope(rk.view(t, hkv, d), cos, sin)
+    expected = torch.zeros_like(cache)
+    write_kv(expected, layer, rk, rv.reshape(t, hkv, d), slots)
+    torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.rope_and_store_kv(qkv, cos, sin, cache, layer, torch.tensor([0, 1, 2, 3, 32]), hq, hkv)
+
+
+def test_fused_silu_and_mul(kernel) -> None:  # type: ignore[no-untyped-def]
+    gate_up = torch.randn(7, 2 * 40)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernel.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def _q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF Q4_1 dequantizes: d * q + m per 32 inputs, d and m float16."""
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    m = (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer puts each block's min at 0 and max at 15
+    return (d * q + m).reshape(n, k)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (576, 1536)])
+def test_q4_blocks_rebuild_exactly_and_compute_what_the_float_panels_do(kernel, n: int, k: int) -> None:  # type: ignore[no-untyped-def]
+    from engine.models.llama import q4_blocks
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = _q4_weight(n, k, gen)
+    blocks = q4_blocks(w, kernel)
+    assert blocks is not None and blocks.dtype == torch.uint8
+    assert torch.equal(kernel.q4_unpack(blocks, n), w)
+    panels = kernel.pack_weight(w)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 5, 7):
+        x = torch.randn(m, k, generator=gen)
+        # bit for bit: same weights, same accumulation order
+        assert torch.equal(kernel.q4_linear(x, blocks, n, bias), kernel.packed_linear(x, panels, n, bias))
+
+
+def test_q4_blocks_refuse_what_is_not_4_bit(kernel) -> None:  # type: ignore[no-untyped-def]
+    from engine.models.llama import q4_blocks
+
+    assert q4_blocks(torch.randn(32, 64), kernel) is None  # arbitrary floats
+    assert q4_blocks(torch.randn(32, 48), kernel) is None  # inputs not a multiple of 32
+    w = _q4_weight(16, 64, torch.Generator().manual_seed(1))
+    w[3, 5] += 1e-3  # one weight off the grid
+    assert q4_blocks(w, kernel) is None
+
+
+def test_the_default_model_decodes_few_rows_from_its_4_bit_copy() -> None:
+    """The default model is a Q4_1 GGUF: every projection gets an exact 4-bit
+    copy, and one row through it equals one row through the float panels."""
+    import engine.model_runner as model_runner
+    from engine.models.loader import resolve_model
+
+    model = model_runner.load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    layers = [model.get_submodule(p) for p in model.linear_names() if p != "lm_head"]
+    assert all(layer.q4 is not None for layer in layers)
+    layer = model.layers[5].gate_up_proj
+    x = torch.randn(1, layer.in_features)
+    assert torch.equal(layer(x), layer.kernel.packed_linear(x, layer.panels, layer.out_features))
