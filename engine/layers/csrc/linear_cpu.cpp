@@ -63,90 +63,6 @@ inline void micro_kernel(const float* __restrict__ x, int64_t ldx, const float* 
 #endif
 }
 
-void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K,
-                      const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
-  float tile[MR * NR];
-  for (int64_t m = 0; m < rows; m += MR) {
-    const int64_t r = std::min<int64_t>(MR, rows - m);
-    const float* xm = x + m * ldx;
-    switch (r) {
-      case 6: micro_kernel<6>(xm, ldx, panel, K, tile); break;
-      case 5: micro_kernel<5>(xm, ldx, panel, K, tile); break;
-      case 4: micro_kernel<4>(xm, ldx, panel, K, tile); break;
-      case 3: micro_kernel<3>(xm, ldx, panel, K, tile); break;
-      case 2: micro_kernel<2>(xm, ldx, panel, K, tile); break;
-      default: micro_kernel<1>(xm, ldx, panel, K, tile); break;
-    }
-    for (int64_t i = 0; i < r; ++i) {
-      float* out = y + (m + i) * ldy + col0;
-      const float* t = tile + i * NR;
-      if (bias) {
-        for (int64_t j = 0; j < cols; ++j) out[j] = t[j] + bias[col0 + j];
-      } else {
-        std::memcpy(out, t, cols * sizeof(float));
-      }
-    }
-  }
-}
-
-}  // namespace
-
-at::Tensor pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_weight: want a 2-D float32 weight");
-  const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), P = (N + NR - 1) / NR;
-  auto out = at::zeros({P, K, NR}, wc.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
-        const float* row = src + (p * NR + j) * K;
-        float* col = dst + p * K * NR + j;
-        for (int64_t k = 0; k < K; ++k) col[k * NR] = row[k];
-      }
-  });
-  return out;
-}
-
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "packed_linear: float32 only");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR, "packed_linear: panels must be [P, K, 16]");
-  const int64_t K = panels.size(1), P = panels.size(0);
-  TORCH_CHECK(x.size(-1) == K, "packed_linear: x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, "packed_linear: N does not match the panels");
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty({M, N}, x2.options());
-  if (M == 0) return y.view(sizes);
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float* bp = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, "packed_linear: bias must be [N] float32");
-    bp = bc.data_ptr<float>();
-  }
-  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-  // Tasks are (row chunk, panel), chunk-major: a thread walks panels while its
-  // rows stay in cache; each panel is read once per chunk.
-  at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / P, p = t % P;
-      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
-      const int64_t col0 = p * NR, cols = std::min(NR, N - col0);
-      rows_times_panel(xp + m0 * K, K, rows, wp + p * K * NR, K, bp, col0, cols, yp + m0 * N, N);
-    }
-  });
-  return y.view(sizes);
-}
-
 // ---- 4-bit weights, exactly ----
 //
 // A weight matrix dequantized from 4-bit blocks (GGUF Q4_1: w = d * q + m per
@@ -196,8 +112,132 @@ inline void q4_micro_kernel(const float* __restrict__ x, int64_t ldx, const uint
     _mm256_storeu_ps(tile + r * NR + 8, acc1[r]);
   }
 #else
-  TORCH_CHECK(false, "q4 linear: built without AVX2");
+  for (int r = 0; r < R; ++r) {
+    float acc[NR] = {0};
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t* blk = panel + (k / QB) * Q4_BLOCK_BYTES;
+      const float* dm = reinterpret_cast<const float*>(blk);
+      const uint8_t* q = blk + 2 * NR * 4 + (k % QB) * 8;
+      const float a = x[r * ldx + k];
+      for (int64_t j = 0; j < NR; ++j) {
+        volatile float prod = static_cast<float>(j < 8 ? (q[j] & 0x0F) : (q[j - 8] >> 4)) * dm[j];
+        acc[j] += a * (prod + dm[NR + j]);
+      }
+    }
+    std::memcpy(tile + r * NR, acc, sizeof(acc));
+  }
 #endif
+}
+
+// One micro-kernel family per weight format, over panel p's storage.
+struct F32Panels {
+  const float* base;
+  int64_t K;
+  template <int R>
+  void run(int64_t p, const float* x, int64_t ldx, float* tile) const {
+    micro_kernel<R>(x, ldx, base + p * K * NR, K, tile);
+  }
+};
+
+struct Q4Panels {
+  const uint8_t* base;
+  int64_t K;
+  template <int R>
+  void run(int64_t p, const float* x, int64_t ldx, float* tile) const {
+    q4_micro_kernel<R>(x, ldx, base + p * (K / QB) * Q4_BLOCK_BYTES, K, tile);
+  }
+};
+
+template <typename Panels>
+void rows_times_panel(const Panels& w, int64_t p, const float* x, int64_t ldx, int64_t rows,
+                      const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
+  float tile[MR * NR];
+  for (int64_t m = 0; m < rows; m += MR) {
+    const int64_t r = std::min<int64_t>(MR, rows - m);
+    const float* xm = x + m * ldx;
+    switch (r) {
+      case 6: w.template run<6>(p, xm, ldx, tile); break;
+      case 5: w.template run<5>(p, xm, ldx, tile); break;
+      case 4: w.template run<4>(p, xm, ldx, tile); break;
+      case 3: w.template run<3>(p, xm, ldx, tile); break;
+      case 2: w.template run<2>(p, xm, ldx, tile); break;
+      default: w.template run<1>(p, xm, ldx, tile); break;
+    }
+    for (int64_t i = 0; i < r; ++i) {
+      float* out = y + (m + i) * ldy + col0;
+      const float* t = tile + i * NR;
+      if (bias) {
+        for (int64_t j = 0; j < cols; ++j) out[j] = t[j] + bias[col0 + j];
+      } else {
+        std::memcpy(out, t, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+// y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
+// by the caller but for x and bias.
+template <typename Panels>
+at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
+  TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x2.options());
+  if (M == 0) return y.view(sizes);
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, name, ": bias must be [N] float32");
+    bp = bc.data_ptr<float>();
+  }
+  const float* xp = x2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
+  // Tasks are (row chunk, panel), chunk-major: a thread walks panels while its
+  // rows stay in cache; each panel is read once per chunk.
+  at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t / P, p = t % P;
+      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
+      const int64_t col0 = p * NR, cols = std::min(NR, N - col0);
+      rows_times_panel(w, p, xp + m0 * K, K, rows, bp, col0, cols, yp + m0 * N, N);
+    }
+  });
+  return y.view(sizes);
+}
+
+}  // namespace
+
+at::Tensor pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_weight: want a 2-D float32 weight");
+  const auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = (N + NR - 1) / NR;
+  auto out = at::zeros({P, K, NR}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
+        const float* row = src + (p * NR + j) * K;
+        float* col = dst + p * K * NR + j;
+        for (int64_t k = 0; k < K; ++k) col[k * NR] = row[k];
+      }
+  });
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR, "packed_linear: panels must be [P, K, 16]");
+  const int64_t K = panels.size(1);
+  return run_linear("packed_linear", x, F32Panels{panels.data_ptr<float>(), K}, panels.size(0), K, N, bias);
 }
 
 // The weights a q4 panel set stands for, [N, K] float32, rebuilt as the kernel
@@ -226,61 +266,10 @@ at::Tensor q4_unpack(const at::Tensor& blocks, int64_t N) {
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "q4_linear: float32 activations only");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
               "q4_linear: blocks must be uint8 [P, K/32, 384]");
-  const int64_t P = blocks.size(0), K = blocks.size(1) * QB;
-  TORCH_CHECK(x.size(-1) == K, "q4_linear: x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, "q4_linear: N does not match the panels");
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty({M, N}, x2.options());
-  if (M == 0) return y.view(sizes);
-  const float* bp = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, "q4_linear: bias must be [N] float32");
-    bp = bc.data_ptr<float>();
-  }
-  const float* xp = x2.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = (K / QB) * Q4_BLOCK_BYTES;
-  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-  at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
-    float tile[MR * NR];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / P, p = t % P;
-      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
-      const int64_t col0 = p * NR, cols = std::min(NR, N - col0);
-      const uint8_t* panel = wp + p * panel_bytes;
-      for (int64_t m = 0; m < rows; m += MR) {
-        const int64_t r = std::min<int64_t>(MR, rows - m);
-        const float* xm = xp + (m0 + m) * K;
-        switch (r) {
-          case 6: q4_micro_kernel<6>(xm, K, panel, K, tile); break;
-          case 5: q4_micro_kernel<5>(xm, K, panel, K, tile); break;
-          case 4: q4_micro_kernel<4>(xm, K, panel, K, tile); break;
-          case 3: q4_micro_kernel<3>(xm, K, panel, K, tile); break;
-          case 2: q4_micro_kernel<2>(xm, K, panel, K, tile); break;
-          default: q4_micro_kernel<1>(xm, K, panel, K, tile); break;
-        }
-        for (int64_t i = 0; i < r; ++i) {
-          float* out = yp + (m0 + m + i) * N + col0;
-          const float* tt = tile + i * NR;
-          if (bp) {
-            for (int64_t j = 0; j < cols; ++j) out[j] = tt[j] + bp[col0 + j];
-          } else {
-            std::memcpy(out, tt, cols * sizeof(float));
-          }
-        }
-      }
-    }
-  });
-  return y.view(sizes);
+  const int64_t K = blocks.size(1) * QB;
+  return run_linear("q4_linear", x, Q4Panels{blocks.data_ptr<uint8_t>(), K}, blocks.size(0), K, N, bias);
 }
 
 // ---- the small ops around the projections, fused (float32, any row count) ----
