@@ -171,9 +171,10 @@ def matmul_peak(threads: int) -> dict[str, float]:
     m, k, n = 512, 576, 3072
     x, w = torch.randn(m, k), torch.randn(n, k)
     kernel = load_linear_kernel()
+    xb, wb = x.bfloat16(), w.bfloat16()
     runs: dict[str, Any] = {
         "float32 torch": lambda: torch.nn.functional.linear(x, w),
-        "bfloat16 torch": (lambda xb=x.bfloat16(), wb=w.bfloat16(): torch.nn.functional.linear(xb, wb)),
+        "bfloat16 torch": lambda: torch.nn.functional.linear(xb, wb),
     }
     if kernel is not None:
         panels = kernel.pack_weight(w)
@@ -234,7 +235,8 @@ def main() -> int:
                 _, res = r.bench(disagg, "interference")
     if only & {1, 2, 3, 4, 5}:
         with splitserve_up(0, 1, out / "up-coloc.log") as coloc:
-            for t, w in ((1, "mixed"), (2, "single"), (3, "shared-prefix"), (4, "interference"), (5, "batch32")):
+            plan = ((1, "mixed"), (2, "single"), (3, "shared-prefix"), (4, "interference"), (5, "batch32"))
+            for t, w in plan:
                 if t not in only:
                     continue
                 s, res = r.bench(coloc, w)
@@ -261,28 +263,31 @@ def main() -> int:
                 if t in only:
                     r.bench(vllm, w)
 
-    res = r.results
+    done = r.results
     if 1 in only:
         def tput(label: str) -> float | None:
-            return res[label]["output_throughput"] if label in res else None
+            return done[label]["output_throughput"] if label in done else None
         c, d, v = (tput(f"{x} / mixed") for x in ("splitserve 0p+1d", "splitserve 1p+1d", "vllm-cpu"))
+        assert c is not None and d is not None
         line = f"1. mixed: colocated {c:.1f} tok/s, disaggregated {d:.1f} tok/s"
         if v:
-            line += f", vLLM {v:.1f} tok/s: colocated {c / v:.2f}x (target 1.5x), disaggregated {d / v:.2f}x (1.0x)"
+            line += (f", vLLM {v:.1f} tok/s: colocated {c / v:.2f}x (target 1.5x), "
+                     f"disaggregated {d / v:.2f}x (1.0x)")
         report.append(line)
     if 2 in only:
-        c = res["splitserve 0p+1d / single"]["output_throughput"]
-        line = f"2. single stream: splitserve {c:.1f} tok/s"
-        if "vllm-cpu / single" in res:
-            v = res["vllm-cpu / single"]["output_throughput"]
-            line += f", vLLM {v:.1f} tok/s = {c / v:.2f}x (target 2.5x)"
+        c2 = done["splitserve 0p+1d / single"]["output_throughput"]
+        line = f"2. single stream: splitserve {c2:.1f} tok/s"
+        if "vllm-cpu / single" in done:
+            v2 = done["vllm-cpu / single"]["output_throughput"]
+            line += f", vLLM {v2:.1f} tok/s = {c2 / v2:.2f}x (target 2.5x)"
         report.append(line)
     if 4 in only:
         def short_itl(label: str) -> float:
-            return res[label]["groups"]["short"]["itl_ms"]["p99"]
-        d, c = short_itl("splitserve 1p+1d / interference"), short_itl("splitserve 0p+1d / interference")
-        report.append(f"4. interference: short chats' ITL p99 disaggregated {d:.0f} ms, colocated {c:.0f} ms "
-                      f"= {d / c:.2f}x (target <= 0.5x)")
+            return done[label]["groups"]["short"]["itl_ms"]["p99"]
+        d4, c4 = short_itl("splitserve 1p+1d / interference"), short_itl("splitserve 0p+1d / interference")
+        report.append(f"4. interference: short chats' ITL p99 disaggregated {d4:.0f} ms, "
+                      f"colocated {c4:.0f} ms "
+                      f"= {d4 / c4:.2f}x (target <= 0.5x)")
     if 6 in only:
         cmd = [sys.executable, "-m", "services.cli", "bench", "offline", "--json"]
         if args.quick:

@@ -109,9 +109,8 @@ def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     """Where the packed weights of these safetensors files are kept: the key
     changes with the files and with the kernel's source (its packing layout)."""
     from engine.layers.cpu_attention import CSRC
-    from engine.models.loader import cache_dir
-
     from engine.models import llama
+    from engine.models.loader import cache_dir
 
     h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
     h.update(Path(llama.__file__).read_bytes())  # the packing code

@@ -7,11 +7,12 @@ metadata says which rows belong to which sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +157,9 @@ class PackedLinear(nn.Module):
     (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
     dominates decode steps of a few rows.  Holds the packed copy only."""
 
+    panels: torch.Tensor
+    q4: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None,
                  q4: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -232,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.fused: ModuleType | None = None  # set by pack_linears
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -254,8 +259,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta, attn)
-        if self.layers[0].fused is not None:
-            return self.layers[0].fused.rms_norm(x, self.norm.weight, self.norm.eps)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -276,13 +281,14 @@ class LlamaForCausalLM(nn.Module):
             if panels is not None:
                 packed, q4 = panels[path], panels.get(f"{path}#q4")
             setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+        self.fused = kernel
         for layer in self.layers:
-            layer.fused = kernel
+            cast(LlamaLayer, layer).fused = kernel
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():
-            layer = self.get_submodule(path)
+            layer = cast(PackedLinear, self.get_submodule(path))
             out[path] = layer.panels
             if layer.q4 is not None:
                 out[f"{path}#q4"] = layer.q4
@@ -332,14 +338,15 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            put(f"layers.{i}.qkv_proj.weight",
-                lambda a=a: torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
+            put(f"layers.{i}.qkv_proj.weight", functools.partial(
+                torch.cat, [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
             if self.spec.qkv_bias:
                 put(f"layers.{i}.qkv_proj.bias",
                     torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
             put(f"layers.{i}.o_proj.weight", get(a + "o_proj.weight"))
             put(f"layers.{i}.gate_up_proj.weight",
-                lambda p=p: torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                functools.partial(torch.cat,
+                                  [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             put(f"layers.{i}.down_proj.weight", get(p + "mlp.down_proj.weight"))
             put(f"layers.{i}.input_layernorm.weight", get(p + "input_layernorm.weight"))
             put(f"layers.{i}.post_attention_layernorm.weight", get(p + "post_attention_layernorm.weight"))

@@ -115,7 +115,8 @@ class Worker:
         while True:
             try:
                 # wait_for_ready: the call goes out the moment the channel connects
-                self.info = await self.stub.Info(pb.InfoRequest(), timeout=_INFO_TIMEOUT_S, wait_for_ready=True)
+                self.info = await self.stub.Info(pb.InfoRequest(), timeout=_INFO_TIMEOUT_S,
+                                                 wait_for_ready=True)
                 self._check_info()
                 self.info_ready.set()
                 stream = self.stub.WatchLoad(pb.LoadRequest(interval_seconds=self.interval))
