@@ -29,18 +29,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.ttft_split import wait  # a worker's ready file -> its address
+from services.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 POLICIES = ("kv-aware", "round-robin", "random")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:

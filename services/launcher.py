@@ -34,7 +34,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now (the OS picks it)."""
     import socket
 

@@ -134,15 +134,13 @@ def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
         return None
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15)
-    if not torch.equal(d[..., None] * q + m[..., None], w3):  # mul, then add: as the kernel rebuilds
-        return None
     kb = k // 32
     dm = torch.cat([d.view(p, 16, kb).transpose(1, 2), m.view(p, 16, kb).transpose(1, 2)], dim=-1)
     qb = q.to(torch.uint8).view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
     nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
     blocks = torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
                         nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
-    if not torch.equal(kernel.q4_unpack(blocks, n), weight):
+    if not torch.equal(kernel.q4_unpack(blocks, n), weight):  # rebuilt as the kernel rebuilds them
         return None
     return blocks
 

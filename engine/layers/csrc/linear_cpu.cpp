@@ -30,27 +30,41 @@ constexpr int64_t NR = 16;       // output columns per panel (two 8-float vector
 constexpr int64_t MR = 6;        // rows per micro-kernel call (12 accumulators)
 constexpr int64_t M_CHUNK = 192; // rows of x kept hot while the panels stream past
 
+#ifdef SPLITSERVE_AVX2
+// R rows x 16 columns of accumulators, the part every weight format shares:
+// acc[r] += x[r, k] * b for each k, in the same order whatever the format.
+template <int R>
+struct Acc {
+  __m256 lo[R], hi[R];
+  Acc() {
+    for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+  }
+  inline void fma(const float* __restrict__ x, int64_t ldx, int64_t k, __m256 b0, __m256 b1) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+    }
+  }
+  inline void store(float* __restrict__ tile) const {
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(tile + r * NR, lo[r]);
+      _mm256_storeu_ps(tile + r * NR + 8, hi[r]);
+    }
+  }
+};
+#endif
+
 // y[0:R, 0:16] = x[0:R, :] @ panel, R <= MR.  x rows are ldx apart; the
 // result goes to a 16-wide scratch tile.
 template <int R>
 inline void micro_kernel(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel,
                          int64_t K, float* __restrict__ tile) {
 #ifdef SPLITSERVE_AVX2
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * NR);
-    const __m256 b1 = _mm256_loadu_ps(panel + k * NR + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-      acc0[r] = _mm256_fmadd_ps(a, b0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(a, b1, acc1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tile + r * NR, acc0[r]);
-    _mm256_storeu_ps(tile + r * NR + 8, acc1[r]);
-  }
+  Acc<R> acc;
+  for (int64_t k = 0; k < K; ++k)
+    acc.fma(x, ldx, k, _mm256_loadu_ps(panel + k * NR), _mm256_loadu_ps(panel + k * NR + 8));
+  acc.store(tile);
 #else
   for (int r = 0; r < R; ++r) {
     float acc[NR] = {0};
@@ -83,8 +97,7 @@ template <int R>
 inline void q4_micro_kernel(const float* __restrict__ x, int64_t ldx, const uint8_t* __restrict__ panel,
                             int64_t K, float* __restrict__ tile) {
 #ifdef SPLITSERVE_AVX2
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
+  Acc<R> acc;
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t kb = 0; kb < K / QB; ++kb) {
     const uint8_t* blk = panel + kb * Q4_BLOCK_BYTES;
@@ -99,18 +112,10 @@ inline void q4_micro_kernel(const float* __restrict__ x, int64_t ldx, const uint
       // mul, then add: never fused, so each weight is rounded as its float32 copy was
       const __m256 b0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0), m0);
       const __m256 b1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d1), m1);
-      const int64_t k = kb * QB + kk;
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-        acc0[r] = _mm256_fmadd_ps(a, b0, acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(a, b1, acc1[r]);
-      }
+      acc.fma(x, ldx, kb * QB + kk, b0, b1);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tile + r * NR, acc0[r]);
-    _mm256_storeu_ps(tile + r * NR + 8, acc1[r]);
-  }
+  acc.store(tile);
 #else
   for (int r = 0; r < R; ++r) {
     float acc[NR] = {0};
