@@ -234,15 +234,19 @@ def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # 
     complete(url, hot + tokens(rng, 24))
     wait_indexed(url, PREFIX_BLOCKS)
     before = scrape(url)
-    # Each cached request still costs its holder a step and a KV send: past about
-    # 18 queued ones (router defaults) recomputing the prefix elsewhere is
-    # cheaper, and once the second worker holds it too the two share the flood.
-    clients, rounds = 24, 2
+    # Each cached request still costs its holder its suffix (160 tokens: 10.5
+    # blocks) plus 2 blocks for a step and a KV send: past about 5 queued ones
+    # (router defaults) recomputing the 62-block prefix elsewhere is cheaper, and
+    # once the second worker holds it too the two share the flood.  The margin is
+    # wide on purpose: with 16 clients the holder's queue passes 5 however fast
+    # the engine is (a 24-token suffix put the break-even at about 15 queued, which
+    # a fast prefill worker did not always reach).
+    clients, rounds, suffix = 16, 2, 160
     flood = clients * rounds
 
     def client(_: int) -> None:
         for _ in range(rounds):
-            complete(url, hot + tokens(random.Random(), 24))
+            complete(url, hot + tokens(random.Random(), suffix))
 
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
