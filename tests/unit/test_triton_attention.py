@@ -139,3 +139,55 @@ def test_cpu_decode_kernel_builds_and_matches() -> None:
         out = kernel.paged_decode_attention(q.to(dtype), kv_cache.to(dtype), LAYER,
                                             meta.block_tables, meta.seq_lens, 64 ** -0.5)
         assert (out.float() - expected).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), [(16, 64), (24, 64), (16, 32), (8, 128)])
+def test_cpu_decode_kernel_long_sequences(block_size: int, head_dim: int) -> None:
+    """Sequences of several 128-position spans (merged after), spans ending inside
+    a block (block size 24), the any-head-size path (32), every float dtype."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    seqs = [(1, 128), (1, 129), (1, 300), (1, 2), (1, 513)]
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    q, _, _, kv_cache, meta, expected = _make_step(seqs, block_size, 9, 3, head_dim, gen)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+        out = kernel.paged_decode_attention(q.to(dtype), kv_cache.to(dtype), LAYER,
+                                            meta.block_tables, meta.seq_lens, head_dim ** -0.5)
+        assert out.dtype == dtype
+        assert (out.float() - expected).abs().max().item() < tol, dtype
+
+
+def test_cpu_decode_kernel_is_batch_invariant() -> None:
+    """A sequence's output is bit for bit the same alone as in any batch: its sums
+    are cut at fixed positions, never by how many sequences share the step."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    seqs = [(1, n) for n in (700, 5, 130, 64, 256, 1, 400, 90)]
+    gen = torch.Generator().manual_seed(3)
+    q, _, _, kv_cache, meta, _ = _make_step(seqs, 16, 9, 3, 64, gen)
+    batch = kernel.paged_decode_attention(q, kv_cache, LAYER, meta.block_tables, meta.seq_lens, 0.125)
+    for i in range(len(seqs)):
+        alone = kernel.paged_decode_attention(q[i:i + 1], kv_cache, LAYER, meta.block_tables[i:i + 1],
+                                              meta.seq_lens[i:i + 1], 0.125)
+        assert torch.equal(alone, batch[i:i + 1]), i
+    pair = kernel.paged_decode_attention(q[2:4], kv_cache, LAYER, meta.block_tables[2:4],
+                                         meta.seq_lens[2:4], 0.125)
+    assert torch.equal(pair, batch[2:4])
+
+
+def test_cpu_decode_kernel_rejects_bad_input() -> None:
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(4)
+    q, _, _, kv_cache, meta, _ = _make_step([(1, 20)], 16, 9, 3, 64, gen)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        kernel.paged_decode_attention(q, kv_cache, LAYER, meta.block_tables,
+                                      torch.zeros(1, dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        kernel.paged_decode_attention(q[:, :8], kv_cache, LAYER, meta.block_tables, meta.seq_lens, 0.125)

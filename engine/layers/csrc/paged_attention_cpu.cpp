@@ -1,12 +1,20 @@
 // Paged decode attention for CPUs: one query token per sequence, keys and
 // values read straight from the block-contiguous KV cache (no gather copy, no
-// padding).  One task per (sequence, kv head) serves that head's whole GQA group.
+// padding).
 //
 //   q:            [B, Hq, D]
 //   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D]
 //   block_tables: [B, max_blocks] int32
 //   seq_lens:     [B] int32
 //   returns       [B, Hq, D]
+//
+// A task is one sequence's span of up to PART_TOKENS positions, all heads at
+// once: a cache block's keys (and then its values) for one layer are one
+// contiguous run of memory, read once, front to back.  Each task keeps an
+// online softmax (running max m, running sum l, unnormalised output) per query
+// head in one pass over its blocks; a sequence longer than one span merges its
+// spans' partial results.  Spans are cut at fixed positions, so the order of
+// every sum depends on the sequence alone, never on the batch it runs in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,19 +23,104 @@
 #include <limits>
 #include <vector>
 
-template <typename T>
-static inline float to_f(T x) { return static_cast<float>(x); }
+namespace {
 
-// D_ > 0: head size known at compile time (fully unrolled, vectorized dot
-// products); D_ == 0: any head size.
+constexpr int64_t PART_TOKENS = 128;
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// Partial result of one span: per query head, m, l and the unnormalised sum.
+struct Partial {
+  float* m;    // [Hq]
+  float* l;    // [Hq]
+  float* acc;  // [Hq, D]
+};
+
+// D_ > 0: head size known at compile time (unrolled, vectorised); 0: any.
 template <typename scalar_t, int D_>
-static void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          double scale, at::Tensor& out) {
+void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
+          int64_t t0, int64_t t1, const float* __restrict__ qf, int64_t Hq, int64_t Hkv,
+          int64_t D_dyn, int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t s_head,
+          Partial out, float* __restrict__ scores /* [Hq, bs] */, float* __restrict__ kv_f /* [bs, Hkv, D] */) {
+  const int64_t D = D_ > 0 ? D_ : D_dyn;
+  const int64_t G = Hq / Hkv;
+  for (int64_t h = 0; h < Hq; ++h) { out.m[h] = -std::numeric_limits<float>::infinity(); out.l[h] = 0.f; }
+  std::fill(out.acc, out.acc + Hq * D, 0.f);
+  for (int64_t t = t0; t < t1;) {
+    const int64_t blk = table[t / bs];
+    const int64_t off = t % bs;
+    const int64_t n = std::min(bs - off, t1 - t);  // positions of this block in the span
+    const scalar_t* kb = base + blk * s_blk + off * s_tok;
+    // Scores for every query head and position of the block.
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        const scalar_t* __restrict__ k = kb + i * s_tok + hk * s_head;
+        const float* kr;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          kr = k;
+        } else {
+          float* kf = kv_f + (i * Hkv + hk) * D;
+          for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+          kr = kf;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g;
+          const float* __restrict__ qh = qf + h * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+          scores[h * bs + i] = s;
+        }
+      }
+    }
+    // Online softmax: fold the block into each head's running max and sum.
+    for (int64_t h = 0; h < Hq; ++h) {
+      float* sh = scores + h * bs;
+      float bmax = sh[0];
+      for (int64_t i = 1; i < n; ++i) bmax = std::max(bmax, sh[i]);
+      const float m_new = std::max(out.m[h], bmax);
+      const float rescale = std::exp(out.m[h] - m_new);  // 0 on the first block
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m_new); sum += sh[i]; }
+      out.l[h] = out.l[h] * rescale + sum;
+      out.m[h] = m_new;
+      if (rescale != 1.f) {
+        float* a = out.acc + h * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+      }
+    }
+    // Values: acc_h += p_h,i v_i.
+    const scalar_t* vb = kb + s_kv;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        const scalar_t* __restrict__ v = vb + i * s_tok + hk * s_head;
+        const float* vr;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          vr = v;
+        } else {
+          float* vf = kv_f + (i * Hkv + hk) * D;
+          for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
+          vr = vf;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g;
+          const float p = scores[h * bs + i];
+          float* __restrict__ a = out.acc + h * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      }
+    }
+    t += n;
+  }
+}
+
+template <typename scalar_t, int D_>
+void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1);
   const int64_t D = D_ > 0 ? D_ : q.size(2);
   const int64_t bs = kv.size(3), Hkv = kv.size(4);
-  const int64_t G = Hq / Hkv;
   const int64_t s_blk = kv.stride(0), s_lyr = kv.stride(1), s_kv = kv.stride(2),
                 s_tok = kv.stride(3), s_head = kv.stride(4);
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -38,63 +131,59 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t lay
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+  // Tasks: (sequence, span); first[b] is sequence b's first task.
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lens[b];
+    TORCH_CHECK(L > 0, "seq_lens: every sequence needs at least one position");
+    first[b + 1] = first[b] + (L + PART_TOKENS - 1) / PART_TOKENS;
+  }
+  const int64_t T = first[B];
+  std::vector<float> part_m(T * Hq), part_l(T * Hq), part_acc(T * Hq * D);
+  std::vector<int64_t> task_seq(T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
+
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), scores(Hq * bs), kv_f(bs * Hkv * D);
+    int64_t qb = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t L = lens[b];
-      scores.assign(G * L, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(qp[(b * Hq + h * G + g) * D + d]) * fscale;
-      // Pass 1: scores[g, t] = q_g . k_t
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * bt_stride + t / bs];
-        const scalar_t* __restrict__ k = base + blk * s_blk + (t % bs) * s_tok + h * s_head;
-        float kf[D_ > 0 ? D_ : 1];
-        const float* kr;
-        std::vector<float> kdyn;
-        if constexpr (D_ > 0) {
-          for (int64_t d = 0; d < D_; ++d) kf[d] = to_f(k[d]);
-          kr = kf;
-        } else {
-          kdyn.resize(D);
-          for (int64_t d = 0; d < D; ++d) kdyn[d] = to_f(k[d]);
-          kr = kdyn.data();
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict__ qg = &qf[g * D];
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kr[d];
-          scores[g * L + t] = s;
-        }
+      const int64_t b = task_seq[task];
+      if (b != qb) {
+        for (int64_t i = 0; i < Hq * D; ++i) qf[i] = to_f(qp[b * Hq * D + i]) * fscale;
+        qb = b;
       }
-      // Softmax per query head.
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = &scores[g * L];
-        const float m = *std::max_element(sg, sg + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
-      // Pass 2: out_g = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * bt_stride + t / bs];
-        const scalar_t* __restrict__ v = base + blk * s_blk + s_kv + (t % bs) * s_tok + h * s_head;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* __restrict__ a = &acc[g * D];
-          for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(v[d]);
+      const int64_t t0 = (task - first[b]) * PART_TOKENS;
+      const int64_t t1 = std::min<int64_t>(t0 + PART_TOKENS, lens[b]);
+      Partial p{&part_m[task * Hq], &part_l[task * Hq], &part_acc[task * Hq * D]};
+      span<scalar_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
+                         s_tok, s_head, p, scores.data(), kv_f.data());
+    }
+  });
+
+  // Merge each sequence's spans (in span order) and normalise.
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) m = std::max(m, part_m[i * Hq + h]);
+        float l = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) {
+          const float w = std::exp(part_m[i * Hq + h] - m);
+          l += part_l[i * Hq + h] * w;
+          const float* a = &part_acc[(i * Hq + h) * D];
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
         }
+        const float inv = 1.f / l;
+        for (int64_t d = 0; d < D; ++d) op[(b * Hq + h) * D + d] = static_cast<scalar_t>(acc[d] * inv);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          op[(b * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
     }
   });
 }
+
+}  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale) {
@@ -103,6 +192,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
+  TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
