@@ -52,8 +52,15 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     const int64_t off = t % bs;
     const int64_t n = std::min(bs - off, t1 - t);  // positions of this block in the span
     const scalar_t* kb = base + blk * s_blk + off * s_tok;
+    // The next block lies elsewhere in memory, where the hardware prefetchers
+    // cannot guess: while this block computes, ask for the next one row by row.
+    const char* next = t + n < t1 ? reinterpret_cast<const char*>(base + table[(t + n) / bs] * s_blk)
+                                  : nullptr;
+    const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
     // Scores for every query head and position of the block.
     for (int64_t i = 0; i < n; ++i) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         const scalar_t* __restrict__ k = kb + i * s_tok + hk * s_head;
         const float* kr;
@@ -92,6 +99,9 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     // Values: acc_h += p_h,i v_i.
     const scalar_t* vb = kb + s_kv;
     for (int64_t i = 0; i < n; ++i) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row_bytes; c += 64)
+          __builtin_prefetch(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         const scalar_t* __restrict__ v = vb + i * s_tok + hk * s_head;
         const float* vr;
