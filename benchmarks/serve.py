@@ -96,6 +96,53 @@ def server_model(base_url: str, timeout: float = 10.0) -> str:
         raise ValueError(f"cannot read the model from {base_url}/v1/models ({e}); pass --model") from None
 
 
+def plot_compare(runs: dict[str, tuple[dict[str, Any], list[RequestResult]]], path: str,
+                 title: str) -> bool:
+    """One workload on several systems: TTFT, ITL and e2e CDFs (a line per
+    system, and per request group where the workload has several) and output
+    tokens/s over time.  False when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = (("TTFT", lambda r: [r.ttft]), ("ITL", lambda r: r.itls), ("end to end", lambda r: [r.e2e]))
+    for ax, (name, values) in zip(axes.flat, panels, strict=False):
+        for label, (_, results) in runs.items():
+            ok = [r for r in results if r.ok]
+            groups = sorted({r.group for r in ok})
+            for g in groups:
+                ms = sorted(1000 * v for r in ok if r.group == g for v in values(r))
+                if ms:
+                    ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], drawstyle="steps-post",
+                            label=label if len(groups) == 1 else f"{label}: {g}")
+        ax.set(title=f"{name} CDF", xlabel="ms", xscale="log",
+               ylabel="fraction of " + ("tokens" if name == "ITL" else "requests"))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes.flat[3]
+    for label, (summary, results) in runs.items():
+        per_second: dict[int, int] = {}
+        for r in results:
+            if r.ok:
+                for t in r.token_times:
+                    per_second[int(r.start + t)] = per_second.get(int(r.start + t), 0) + 1
+        seconds = range(int(summary["duration_s"]) + 1)
+        ax.plot(list(seconds), [per_second.get(s, 0) for s in seconds],
+                label=f"{label} (mean {summary['output_throughput']:.1f})")
+    ax.set(title="output tokens/s", xlabel="s since start")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def plot(results: list[RequestResult], summary: dict[str, Any], path: str, title: str) -> bool:
     """Latency CDFs (TTFT, ITL, e2e; per group) and output tokens/s over time.
     False when matplotlib is not installed (it is not a dependency)."""

@@ -135,6 +135,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
         self.args, self.out = args, out
         self.results: dict[str, dict[str, Any]] = {}
+        self.runs: dict[str, dict[str, tuple[dict[str, Any], list[Any]]]] = {}  # workload -> label -> run
         self.commands: list[str] = []
 
     def bench(self, server: Server, workload: str) -> tuple[dict[str, Any], list[Any]]:
@@ -152,7 +153,22 @@ class Runner:
         if summary["failed"]:
             raise RuntimeError(f"{server.label} {workload}: {summary['failed']} requests failed")
         self.results[f"{server.label} / {workload}"] = summary
+        self.runs.setdefault(workload, {})[server.label] = (summary, results)
         return summary, results
+
+    def plots(self) -> list[Path]:
+        """A picture per workload measured on more than one system."""
+        from benchmarks.serve import plot_compare
+
+        drawn = []
+        for workload, runs in self.runs.items():
+            if len(runs) > 1:
+                path = self.out / f"{workload}.png"
+                if not plot_compare(runs, str(path), f"{workload}: {', '.join(runs)}"):
+                    print("targets: matplotlib is not installed; no plots", file=sys.stderr)
+                    return []
+                drawn.append(path)
+        return drawn
 
 
 def matmul_peak(threads: int) -> dict[str, float]:
@@ -302,6 +318,8 @@ def main() -> int:
     print("\n== targets")
     print("\n".join(sorted(report)))
     (out / "report.txt").write_text("\n".join(sorted(report)) + "\n")
+    for path in r.plots():
+        print(f"plot: {path}")
     return 0
 
 

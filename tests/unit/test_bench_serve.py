@@ -308,3 +308,23 @@ def test_run_requests_sends_at_arrival_times() -> None:
         Target("http://fake/v1/completions", "m", chat=False), reqs, concurrency=None, timeout=10,
         progress=Progress(2, enabled=False), transport=fake_server(0.0, [])))
     assert results[1].start < 0.1 and results[0].start >= 0.19  # results in request order
+
+
+def test_plot_compare_draws_every_system_or_says_it_cannot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    from benchmarks.serve import plot_compare
+    from benchmarks.serve_stats import RequestResult, summarize
+
+    def run(scale: float) -> tuple[dict, list[RequestResult]]:  # type: ignore[type-arg]
+        results = [RequestResult(group=g, ok=True, start=i * 0.5, ttft=0.1 * scale, e2e=1.0 * scale,
+                                 output_tokens=4, token_times=[0.1 * scale * k for k in range(1, 5)])
+                   for i, g in enumerate(["short", "long"] * 3)]
+        return summarize(results, duration=4.0), results
+
+    path = tmp_path / "mixed.png"
+    drawn = plot_compare({"a": run(1.0), "b": run(2.0)}, str(path), "mixed: a, b")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert drawn is False and not path.exists()
+    else:
+        assert drawn is True and path.stat().st_size > 10_000
