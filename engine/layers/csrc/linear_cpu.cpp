@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -29,6 +30,24 @@ namespace {
 constexpr int64_t NR = 16;       // output columns per panel (two 8-float vectors)
 constexpr int64_t MR = 6;        // rows per micro-kernel call (12 accumulators)
 constexpr int64_t M_CHUNK = 192; // rows of x kept hot while the panels stream past
+
+// Runs fn(begin, end) over [0, n) in pieces of `grain` that the threads claim
+// as they go, rather than one fixed share each: a thread the OS preempts (on a
+// small machine the frontend, the gRPC threads and the benchmark client share
+// the cores) holds up the step by one piece, not by half the work.
+template <typename F>
+void parallel_claim(int64_t n, int64_t grain, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(grain); begin < n; begin = next.fetch_add(grain))
+      fn(begin, std::min(begin + grain, n));
+  });
+}
 
 #ifdef SPLITSERVE_AVX2
 // R rows x 16 columns of accumulators, the part every weight format shares:
@@ -206,7 +225,10 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
   // Tasks are (row chunk, panel), chunk-major: a thread walks panels while its
   // rows stay in cache; each panel is read once per chunk.
-  at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
+  // About 16 claims per thread: small enough to even out a preempted thread,
+  // large enough that claiming costs nothing.
+  const int64_t grain = std::max<int64_t>(1, chunks * P / (16 * at::get_num_threads()));
+  parallel_claim(chunks * P, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c = t / P, p = t % P;
       const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);

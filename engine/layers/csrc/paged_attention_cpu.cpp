@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -26,6 +27,24 @@
 namespace {
 
 constexpr int64_t PART_TOKENS = 128;
+
+// Runs fn(begin, end) over [0, n) in pieces of `grain` that the threads claim
+// as they go, rather than one fixed share each: a thread the OS preempts (on a
+// small machine the frontend, the gRPC threads and the benchmark client share
+// the cores) holds up the step by one piece, not by half the work.
+template <typename F>
+void parallel_claim(int64_t n, int64_t grain, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(grain); begin < n; begin = next.fetch_add(grain))
+      fn(begin, std::min(begin + grain, n));
+  });
+}
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -154,7 +173,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
 
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  parallel_claim(T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), scores(Hq * bs), kv_f(bs * Hkv * D);
     int64_t qb = -1;
     for (int64_t task = begin; task < end; ++task) {
