@@ -55,6 +55,14 @@ class EngineLoop:
         self._cmds.put(run)
         return await fut
 
+    def emit(self, outs: list[StepOutput]) -> None:
+        """On the engine thread (inside a `call`): hand outputs to their
+        streams in order with the steps' own, behind every output already handed
+        over and ahead of the next step's.  An output the caller put on the
+        stream itself after awaiting `call` could land behind the next step's
+        token: the step may run before the awaiting coroutine resumes."""
+        self._loop.call_soon_threadsafe(self._dispatch, outs)
+
     def open_stream(self, request_id: str) -> asyncio.Queue[StreamItem]:
         q: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[request_id] = q

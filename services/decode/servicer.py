@@ -78,10 +78,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                                 max_batched_tokens=loop.engine.config.scheduler.max_num_batched_tokens)
         try:
             try:
-                if remote:
-                    first = await self._remote_prefill(rid, ids, params, request, context, timings, trace)
-                    if first is not None:
-                        q.put_nowait(first)
+                if remote:  # the first token reaches q from the engine thread, ahead of the second
+                    await self._remote_prefill(rid, ids, params, request, context, timings, trace)
                 else:
                     self.stats.local_prefills += 1
                     await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
@@ -146,7 +144,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
     async def _remote_prefill(self, rid: str, ids: list[int], params: SamplingParams,
                               request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext,
                               timings: dict[str, float],
-                              trace: DecodeTrace | None = None) -> StepOutput | None:
+                              trace: DecodeTrace | None = None) -> None:
         t_start = time.monotonic()
         queued_ns = now_ns() if trace is not None else 0
         try:
@@ -178,7 +176,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"remote prefill failed: {e}")
             self.stats.kv_transfer_recomputes += 1
             await loop.call(lambda eng: eng.remote_kv_failed(rid))
-            return None
+            return
         self.stats.remote_prefills += 1
         self.stats.kv_bytes_received += resp.bytes_sent
         self.stats.kv_transfer_seconds += time.monotonic() - t0
@@ -187,10 +185,9 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         ft = resp.first_token
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
         t_landed = time.monotonic()
-        out = await loop.call(lambda eng: eng.remote_kv_landed(rid, first))
+        await loop.call(lambda eng: loop.emit([eng.remote_kv_landed(rid, first)]))
         timings.update(prefill=resp.prefill_seconds, transfer=resp.transfer_seconds,
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
-        return out
 
     async def close(self) -> None:
         for ch in self._channels.values():
