@@ -143,46 +143,11 @@ def plot_compare(runs: dict[str, tuple[dict[str, Any], list[RequestResult]]], pa
     return True
 
 
-def plot(results: list[RequestResult], summary: dict[str, Any], path: str, title: str) -> bool:
-    """Latency CDFs (TTFT, ITL, e2e; per group) and output tokens/s over time.
-    False when matplotlib is not installed (it is not a dependency)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    groups = sorted({r.group for r in ok})
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = (("TTFT", lambda r: [r.ttft]), ("ITL", lambda r: r.itls), ("end to end", lambda r: [r.e2e]))
-    for ax, (name, values) in zip(axes.flat, panels, strict=False):
-        for g in groups:
-            ms = sorted(1000 * v for r in ok if r.group == g for v in values(r))
-            if ms:
-                ax.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], drawstyle="steps-post",
-                        label=g if len(groups) > 1 else None)
-        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of " + ("tokens" if name == "ITL" else
-                                                                          "requests"))
-        ax.grid(alpha=0.3)
-        if len(groups) > 1:
-            ax.legend()
-    ax = axes.flat[3]
-    per_second: dict[int, int] = {}
-    for r in ok:
-        for t in r.token_times:
-            second = int(r.start + t)
-            per_second[second] = per_second.get(second, 0) + 1
-    seconds = range(int(summary["duration_s"]) + 1)
-    ax.plot(list(seconds), [per_second.get(s, 0) for s in seconds])
-    ax.set(title=f"output tokens/s (mean {summary['output_throughput']:.1f})", xlabel="s since start")
-    ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+def plot(results: list[RequestResult], summary: dict[str, Any], path: str, title: str,
+         label: str = "this run") -> bool:
+    """Latency CDFs (TTFT, ITL, e2e; per group) and output tokens/s over time
+    of one run.  False when matplotlib is not installed (it is not a dependency)."""
+    return plot_compare({label: (summary, results)}, path, title)
 
 
 def describe(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
@@ -233,6 +198,6 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestResul
     if args.json_out:
         with open(args.json_out, "a") as f:
             f.write(line + "\n")
-    if args.plot and not plot(results, summary, args.plot, title):
+    if args.plot and not plot(results, summary, args.plot, title, args.label or model):
         print("bench serve: matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
     return summary, results

@@ -40,6 +40,8 @@ def build(name: str, source: Path) -> ModuleType | None:
 
         build_dir = cache_dir() / "kernels" / name  # one ninja file per extension
         build_dir.mkdir(parents=True, exist_ok=True)
+        for header in CSRC.glob("*.h"):  # the sources include these from their own folder
+            stable_source(build_dir, header)
         return load(name=name, sources=[str(stable_source(build_dir, source))],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)

@@ -14,8 +14,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel_claim.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -30,24 +31,6 @@ namespace {
 constexpr int64_t NR = 16;       // output columns per panel (two 8-float vectors)
 constexpr int64_t MR = 6;        // rows per micro-kernel call (12 accumulators)
 constexpr int64_t M_CHUNK = 192; // rows of x kept hot while the panels stream past
-
-// Runs fn(begin, end) over [0, n) in pieces of `grain` that the threads claim
-// as they go, rather than one fixed share each: a thread the OS preempts (on a
-// small machine the frontend, the gRPC threads and the benchmark client share
-// the cores) holds up the step by one piece, not by half the work.
-template <typename F>
-void parallel_claim(int64_t n, int64_t grain, const F& fn) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (threads <= 1) {
-    if (n > 0) fn(0, n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.fetch_add(grain); begin < n; begin = next.fetch_add(grain))
-      fn(begin, std::min(begin + grain, n));
-  });
-}
 
 #ifdef SPLITSERVE_AVX2
 // R rows x 16 columns of accumulators, the part every weight format shares:

@@ -18,8 +18,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel_claim.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -28,26 +29,20 @@ namespace {
 
 constexpr int64_t PART_TOKENS = 128;
 
-// Runs fn(begin, end) over [0, n) in pieces of `grain` that the threads claim
-// as they go, rather than one fixed share each: a thread the OS preempts (on a
-// small machine the frontend, the gRPC threads and the benchmark client share
-// the cores) holds up the step by one piece, not by half the work.
-template <typename F>
-void parallel_claim(int64_t n, int64_t grain, const F& fn) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (threads <= 1) {
-    if (n > 0) fn(0, n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.fetch_add(grain); begin < n; begin = next.fetch_add(grain))
-      fn(begin, std::min(begin + grain, n));
-  });
-}
-
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
+
+// A cache row of D values as floats: float32 rows are read in place, others
+// converted into buf.
+template <typename scalar_t>
+inline const float* as_floats(const scalar_t* row, float* buf, int64_t D) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < D; ++d) buf[d] = to_f(row[d]);
+    return buf;
+  }
+}
 
 // Partial result of one span: per query head, m, l and the unnormalised sum.
 struct Partial {
@@ -81,15 +76,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       if (next != nullptr)
         for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
       for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const scalar_t* __restrict__ k = kb + i * s_tok + hk * s_head;
-        const float* kr;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          kr = k;
-        } else {
-          float* kf = kv_f + (i * Hkv + hk) * D;
-          for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
-          kr = kf;
-        }
+        const float* kr = as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hk * G + g;
           const float* __restrict__ qh = qf + h * D;
@@ -122,15 +109,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
         for (int64_t c = 0; c < row_bytes; c += 64)
           __builtin_prefetch(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
       for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const scalar_t* __restrict__ v = vb + i * s_tok + hk * s_head;
-        const float* vr;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          vr = v;
-        } else {
-          float* vf = kv_f + (i * Hkv + hk) * D;
-          for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
-          vr = vf;
-        }
+        const float* vr = as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hk * G + g;
           const float p = scores[h * bs + i];
