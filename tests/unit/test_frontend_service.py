@@ -107,6 +107,19 @@ class FakeDecode(pb_grpc.DecodeServicer):
             await asyncio.sleep(request.interval_seconds)
 
 
+def report_running(url: str, fake: FakeDecode, running: int, timeout: float = 10) -> None:
+    """Make `fake` report `running` requests and wait until the frontend's
+    /cluster shows it, so the router's next pick sees the new load."""
+    fake.running = running
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{url}/cluster", timeout=2).json()["workers"]
+        if any(w["id"] == fake.worker_id and w["running"] == running for w in workers):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"the frontend did not see {fake.worker_id} report running={running}")
+
+
 class FakePrefill(pb_grpc.PrefillServicer):
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -325,9 +338,8 @@ def test_models_health_cluster_metrics(stack: Stack, client: openai.OpenAI) -> N
 def test_retry_once_on_another_decode_worker(stack: Stack, client: openai.OpenAI) -> None:
     d0, d1 = stack.decodes
     d0.fail_salts["flaky"] = grpc.StatusCode.UNAVAILABLE
-    d1.running = 50  # the router tries d0 first
+    report_running(stack.url, d1, 50)  # the router tries d0 first
     try:
-        time.sleep(0.2)
         out = client.completions.create(model="fake-model", prompt=[1], max_tokens=2,
                                         extra_body={"cache_salt": "flaky"})
         assert out.choices[0].finish_reason == "length"
@@ -339,7 +351,7 @@ def test_retry_once_on_another_decode_worker(stack: Stack, client: openai.OpenAI
     finally:
         d0.fail_salts.clear()
         d1.fail_salts.clear()
-        d1.running = 0
+        report_running(stack.url, d1, 0)
     assert 'splitserve_worker_retries_total{reason="unavailable"}' in httpx.get(f"{stack.url}/metrics").text
 
 

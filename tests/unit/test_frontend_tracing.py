@@ -18,7 +18,8 @@ from protos import pb_grpc
 from services.frontend.app import serve
 from services.frontend.config import FrontendConfig
 from tests.otlp_receiver import Receiver, one, serve_receiver, traceparent
-from tests.unit.test_frontend_service import THRESHOLD, FakeDecode, FakePrefill, free_port, tiny_model_dir
+from tests.unit.test_frontend_service import (THRESHOLD, FakeDecode, FakePrefill, free_port, report_running,
+                                             tiny_model_dir)
 
 FE = "splitserve-frontend"
 
@@ -111,7 +112,8 @@ def test_retry_and_fan_out_under_the_clients_trace(traced: tuple[TracedStack, Re
     stack, rec = traced
     d0, d1 = stack.decodes
     d0.fail_salts["flaky"] = grpc.StatusCode.UNAVAILABLE
-    d1.running = 50  # the router tries d0 first
+    # The router tries d0 first, for both choices, once it has seen d1's load.
+    report_running(stack.url, d1, 50)
     header, trace_id, client_span = traceparent()
     r = httpx.post(f"{stack.url}/v1/completions", headers={"traceparent": header}, timeout=10,
                    json={"model": "fake-model", "prompt": [1, 2, 3], "max_tokens": 2, "n": 2, "seed": 5,
