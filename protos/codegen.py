@@ -1,7 +1,8 @@
 """The one codegen step: protos/*.proto -> protos/*_pb2.py, *_pb2_grpc.py.
 
-Run with `python -m protos.codegen`; `import protos` also runs it when the
-generated files are missing or older than their .proto.
+Run with `python -m protos.codegen` (a build step: scripts/setup.sh and the
+Dockerfile run it).  tests/unit/test_protos.py fails when the generated files
+are older than their .proto.
 """
 
 from __future__ import annotations
