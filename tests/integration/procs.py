@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,12 +22,12 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], tmp: Path) -> None:
+    def __init__(self, name: str, argv: list[str], tmp: Path, env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
         self.ready.unlink(missing_ok=True)  # a restart must not see its predecessor's
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
             self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
                                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -62,5 +63,18 @@ class Proc:
                 self.popen.wait()
 
 
-def start_worker(role: str, name: str, tmp: Path, *extra: str) -> Proc:
-    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp)
+def start_worker(role: str, name: str, tmp: Path, *extra: str, env: Mapping[str, str] | None = None) -> Proc:
+    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp, env)
+
+
+def peer_flag(role: str, peers: Iterable[str]) -> list[str]:
+    """The flag naming the workers a `role` worker may contact: a decode worker's
+    prefill workers, a prefill worker's decode workers (gRPC host:port each)."""
+    addresses = ",".join(peers)
+    if not addresses:
+        return []
+    return ["--prefill" if role == "decode" else "--decode", addresses]
+
+
+def address(port: int) -> str:
+    return f"127.0.0.1:{port}"
