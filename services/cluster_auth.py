@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,6 +29,7 @@ import grpc
 log = logging.getLogger("splitserve.cluster_auth")
 
 ENV = "SPLITSERVE_CLUSTER_TOKEN"
+FILE_ENV = "SPLITSERVE_CLUSTER_TOKEN_FILE"  # a file holding it (compose secrets: /run/secrets/...)
 METADATA_KEY = "x-splitserve-cluster-token"
 # Open to anyone: liveness/readiness probes carry no secret and learn only SERVING or not.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -35,13 +37,26 @@ OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 def add_cluster_token_arg(p: argparse._ActionsContainer) -> None:
     p.add_argument("--cluster-token", default=None,
-                   help=f"the secret every worker RPC carries and checks (default: ${ENV}; "
-                        "none: workers accept any caller, with a warning beyond loopback)")
+                   help=f"the secret every worker RPC carries and checks (default: ${ENV}, or the "
+                        f"file ${FILE_ENV} names; none: workers accept any caller, with a warning "
+                        "beyond loopback)")
 
 
 def cluster_token(args: argparse.Namespace) -> str | None:
-    """The token from the flag, else the environment; None when neither is set."""
-    token = getattr(args, "cluster_token", None) or os.environ.get(ENV) or None
+    """The token from the flag, else the environment, else the file the environment
+    names; None when none is set.  An unreadable or empty file is an error, not 'no token'."""
+    token = getattr(args, "cluster_token", None) or os.environ.get(ENV)
+    if token:
+        return str(token)
+    path = os.environ.get(FILE_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"{FILE_ENV}={path}: cannot read the cluster token: {e}") from None
+    if not token:
+        raise SystemExit(f"{FILE_ENV}={path}: the file is empty")
     return token
 
 
@@ -121,12 +136,19 @@ def _with_token(details: Any, token: str) -> Any:
     return details._replace(metadata=metadata)
 
 
-class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+# grpc.aio files each interceptor under the first kind it is an instance of, so one
+# object per kind (a class of both kinds would never see a streaming call).
+class _AioUnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token
 
     async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(_with_token(details, self._token), request)
+
+
+class _AioStreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
 
     async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(_with_token(details, self._token), request)
@@ -135,7 +157,8 @@ class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
 def aio_channel(address: str, token: str | None,
                 options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """A channel to a worker whose every call carries the cluster token (when there is one)."""
-    interceptors = [_AioTokenInterceptor(token)] if token else None
+    interceptors: list[grpc.aio.ClientInterceptor] | None = (
+        [_AioUnaryToken(token), _AioStreamToken(token)] if token else None)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

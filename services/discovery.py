@@ -29,6 +29,8 @@ import hashlib
 import hmac
 import json
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import redis.asyncio as aioredis
@@ -66,13 +68,24 @@ def registration_value(model_id: str, role: str, worker_id: str, address: str,
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
+def model_layout(model_dir: Path, model_id: str) -> dict[str, Any]:
+    """The layout fields a model fixes (a frontend checks registrations against them; dtype
+    and block size are the workers' flags, checked against the workers already serving)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg.get("num_attention_heads") or 1
+    return {"model_id": model_id, "num_layers": cfg.get("num_hidden_layers"),
+            "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads}
+
+
 class InvalidRegistration(ValueError):
     """A registration a reader refuses; the message says why."""
 
 
 def check_registration(raw: bytes, model_id: str, role: str, token: str | None,
                        layout: dict[str, Any] | None) -> str:
-    """The registered gRPC address, or InvalidRegistration naming what is wrong."""
+    """The registered gRPC address, or InvalidRegistration naming what is wrong.
+    layout: the fields the registration's layout must have (None: unchecked)."""
     try:
         fields = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -86,8 +99,10 @@ def check_registration(raw: bytes, model_id: str, role: str, token: str | None,
         raise InvalidRegistration(f"model_id {fields.get('model_id')!r}, expected {model_id!r}")
     if fields.get("role") != role:
         raise InvalidRegistration(f"role {fields.get('role')!r} under the {role} key")
-    if layout is not None and fields.get("layout") != layout:
-        raise InvalidRegistration(f"layout {fields.get('layout')!r} does not match {layout!r}")
+    theirs = fields.get("layout")
+    matches = isinstance(theirs, dict) and all(theirs.get(k) == v for k, v in (layout or {}).items())
+    if layout is not None and not matches:
+        raise InvalidRegistration(f"layout {theirs!r} does not match {layout!r}")
     address = fields.get("address")
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(
@@ -199,7 +214,8 @@ class Discovery:
     workers registered in Redis that check out."""
 
     def __init__(self, url: str, model_id: str, pool: PeerSet, interval: float = 1.0, *,
-                 token: str | None = None, layout: dict[str, Any] | None = None) -> None:
+                 token: str | None = None,
+                 layout: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> None:
         self.redis = _client(url)
         self.model_id = model_id
         self.pool = pool
@@ -215,8 +231,8 @@ class Discovery:
         if len(self.refused) > 10_000:
             self.refused.clear()
         try:
-            found = await read_registrations(self.redis, self.model_id, self.token, self.layout,
-                                             self.refused)
+            layout = self.layout() if callable(self.layout) else self.layout
+            found = await read_registrations(self.redis, self.model_id, self.token, layout, self.refused)
         except (RedisError, OSError) as e:
             if self._up is not False:
                 log.warning("cannot read worker registrations from Redis (keeping %d workers): %s",

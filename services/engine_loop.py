@@ -43,7 +43,7 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 crash_file: str | None = None) -> None:
+                 crash_file: str | None = None, step_fail_file: str | None = None) -> None:
         self.engine = engine
         self._loop = loop
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -56,9 +56,11 @@ class EngineLoop:
         self.on_death: Callable[[BaseException], None] | None = None
         self.dead: BaseException | None = None  # set on the loop when the thread died
         self._died: BaseException | None = None  # set by the thread itself, before it ends
-        # Test-only fault hook (a hidden worker flag): when this file exists the
-        # thread raises outside step(), as an engine bug would.
+        # Test-only fault hooks (hidden worker flags): while crash_file exists the
+        # thread raises outside step(), as an engine bug would; when step_fail_file
+        # exists the next step raises (once: the file is removed).
         self._crash_file = crash_file
+        self._step_fail_file = step_fail_file
 
     def start(self) -> None:
         self._thread.start()
@@ -160,6 +162,11 @@ class EngineLoop:
         if self._crash_file is not None and os.path.exists(self._crash_file):
             raise RuntimeError(f"injected engine-thread fault ({self._crash_file} exists)")
 
+    def _check_step_fault(self) -> None:
+        if self._step_fail_file is not None and os.path.exists(self._step_fail_file):
+            os.unlink(self._step_fail_file)
+            raise RuntimeError(f"injected step failure ({self._step_fail_file})")
+
     def _run(self) -> None:
         while not self._stop.is_set():
             idle = True
@@ -172,6 +179,7 @@ class EngineLoop:
             self._check_fault()
             if self.engine.has_unfinished():
                 try:
+                    self._check_step_fault()
                     outs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the worker
                     log.exception("engine step failed")

@@ -64,7 +64,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument(f"--{peers}", type=peer_addresses, default=(),
                    help=f"the {peers} workers this worker may contact (gRPC host:port[,...]); with "
                         f"--redis-url also those registered there; no other address a caller names")
+    # Test-only fault hooks (services/engine_loop.py); nothing happens unless the file appears.
     g.add_argument("--fault-engine-crash-file", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--fault-step-fail-file", default=None, help=argparse.SUPPRESS)
     add_tracing_args(p)
 
 
@@ -313,7 +315,8 @@ def run_worker(args: argparse.Namespace, role: str,
 
     async def amain() -> int:
         engine = build_engine(args)
-        loop = EngineLoop(engine, asyncio.get_running_loop(), crash_file=args.fault_engine_crash_file)
+        loop = EngineLoop(engine, asyncio.get_running_loop(), crash_file=args.fault_engine_crash_file,
+                          step_fail_file=args.fault_step_fail_file)
         loop.start()
         transport = await start_transport(engine, args, port=args.ucx_port)
         worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -213,6 +213,15 @@ class WorkerPool:
     def _worker(self, address: str, role: Role) -> Worker:
         return Worker(address, role, self.interval, self.model_id, self.index, self.cluster_token)
 
+    def kv_layout(self) -> dict[str, object] | None:
+        """The full KV layout the serving workers reported (registrations must match it)."""
+        for w in self.all:
+            if w.info is not None and w.info.layout.block_size > 0:
+                lay = w.info.layout
+                return {f: getattr(lay, f) for f in ("model_id", "dtype", "block_size", "num_layers",
+                                                      "num_kv_heads", "head_dim")}
+        return None
+
     def layout(self) -> tuple[int, str] | None:
         """(block size, model id) as the workers reported them, for block hashes."""
         for w in self.all:
