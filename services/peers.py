@@ -20,7 +20,7 @@ from services.cluster_auth import aio_channel
 log = logging.getLogger("splitserve.peers")
 
 _INFO_TIMEOUT_S = 2.0
-_RERESOLVE_EVERY_S = 0.5  # a miss re-asks the known decode workers at most this often
+_RERESOLVE_EVERY_S = 0.5  # a miss re-reads Redis / re-asks the known workers at most this often
 
 
 class KnownPeers:
@@ -31,6 +31,7 @@ class KnownPeers:
         self.static = frozenset(static)
         self.discovered: frozenset[str] = frozenset()
         self.discovery: Any = None  # services.discovery.Discovery, when there is Redis
+        self._last_refresh = 0.0
 
     @property
     def all(self) -> frozenset[str]:
@@ -49,7 +50,9 @@ class KnownPeers:
         """Known now, or after one fresh read of Redis (a worker that just registered)."""
         if address in self.all:
             return True
-        if self.discovery is not None:
+        # A caller naming strangers in a loop costs one Redis read per interval, no more.
+        if self.discovery is not None and time.monotonic() - self._last_refresh >= _RERESOLVE_EVERY_S:
+            self._last_refresh = time.monotonic()
             await self.discovery.refresh()
         return address in self.all
 
