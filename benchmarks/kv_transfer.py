@@ -41,8 +41,8 @@ def bench_ucx(num_blocks: int, rounds: int, max_inflight_bytes: int) -> list[flo
         seconds = []
         for r in range(rounds + 1):  # round 0 connects and handshakes: not timed
             tid = f"bench-{r}"
-            rx.call("expect", "kv", tid, dst)
-            nbytes, dt = tx.call("send", "kv", peer, tid, blocks, dst, timeout=300)
+            token = rx.call("expect", "kv", tid, dst)
+            nbytes, dt = tx.call("send", "kv", peer, tid, blocks, dst, token, timeout=300)
             assert rx.call("wait", tid, 60.0) == nbytes
             if r:
                 seconds.append(dt)

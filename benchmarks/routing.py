@@ -43,11 +43,14 @@ class Stack:
         self.procs: list[subprocess.Popen[bytes]] = []
         flags = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "2048"]
         ready = {}
+        ports = {name: free_port() for name in ("pa", "pb", "d0")}
+        peers = {"prefill": ["--decode", f"127.0.0.1:{ports['d0']}"],  # whom each may contact
+                 "decode": ["--prefill", f"127.0.0.1:{ports['pa']},127.0.0.1:{ports['pb']}"]}
         for name, role, blocks in (("pa", "prefill", prefill_blocks), ("pb", "prefill", prefill_blocks),
                                    ("d0", "decode", 512)):
             ready[name] = tmp / f"{policy}-{name}.addr"
             self._spawn([f"services.{role}", "--worker-id", name, *flags, "--num-blocks", str(blocks),
-                         "--ready-file", str(ready[name])])
+                         "--ready-file", str(ready[name]), "--grpc-port", str(ports[name]), *peers[role]])
         addr = {name: wait(path) for name, path in ready.items()}
         self.url = f"http://127.0.0.1:{free_port()}"
         self._spawn(["services.frontend", "--port", self.url.rsplit(":", 1)[1], "--grpc-port",

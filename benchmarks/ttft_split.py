@@ -9,6 +9,7 @@ transfer (KV blocks over UCX), admit (decode joins the batch), for a
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import statistics
@@ -18,17 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from protos import pb, pb_grpc
+from services.cluster_auth import ENV, sync_channel
+from services.launcher import free_port
 
 FLAGS = ["--dtype", "float32", "--num-threads", "1", "--num-blocks", "512", "--max-model-len", "4096"]
 
 
-def spawn(role: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def spawn(role: str, tmp: Path, port: int, peer_port: int) -> tuple[subprocess.Popen[bytes], Path]:
     ready = tmp / f"{role}.addr"
+    peer = ["--decode" if role == "prefill" else "--prefill", f"127.0.0.1:{peer_port}"]
     proc = subprocess.Popen([sys.executable, "-m", f"services.{role}", *FLAGS, "--ready-file", str(ready),
-                             "--worker-id", role], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--worker-id", role, "--grpc-port", str(port), *peer],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, ready
 
 
@@ -42,7 +45,7 @@ def wait(ready: Path, timeout: float = 300) -> str:
 
 
 def one(decode: str, prefill: str, ids: list[int]) -> tuple[float, dict[str, float]]:
-    with grpc.insecure_channel(decode) as ch:
+    with sync_channel(decode, os.environ.get(ENV)) as ch:  # the workers' cluster token, if any
         req = pb.WorkerGenerateRequest(request_id=f"ttft-{random.random()}", prompt_token_ids=ids,
                                        sampling=pb.SamplingParams(temperature=0, max_tokens=2),
                                        prefill_address=prefill)
@@ -61,7 +64,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    procs = [spawn("prefill", tmp), spawn("decode", tmp)]
+    p_port, d_port = free_port(), free_port()
+    procs = [spawn("prefill", tmp, p_port, d_port), spawn("decode", tmp, d_port, p_port)]
     try:
         prefill, decode = (wait(r) for _, r in procs)
         rng = random.Random(0)

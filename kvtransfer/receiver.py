@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -37,6 +38,7 @@ RECV_LANES = 32
 class _Incoming:
     transfer_id: str
     block_ids: tuple[int, ...]
+    token: bytes
     future: asyncio.Future[int]
     created: float
     channel: Channel | None = None  # set when the header arrived and the receives were posted
@@ -63,12 +65,15 @@ class Receiver:
     def num_pending(self) -> int:
         return len(self._transfers)
 
-    def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: float | None = None) -> asyncio.Future[int]:
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float | None = None, *,
+               token: bytes) -> asyncio.Future[int]:
         ids = tuple(int(b) for b in block_ids)
         num_blocks = self._kv_cache.shape[0]
         if not transfer_id:
             raise ValueError("transfer_id must be a non-empty string")
+        if not wire.MIN_TOKEN_BYTES <= len(token) <= wire.MAX_TOKEN_BYTES:
+            raise ValueError(f"token must be {wire.MIN_TOKEN_BYTES} to {wire.MAX_TOKEN_BYTES} bytes "
+                             "(wire.new_transfer_token() makes one)")
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         if any(not 0 <= b < num_blocks for b in ids):
@@ -76,7 +81,7 @@ class Receiver:
         if len(set(ids)) != len(ids):
             raise ValueError(f"block ids must be distinct, got {list(ids)}")
         loop = asyncio.get_running_loop()
-        inc = _Incoming(transfer_id, ids, loop.create_future(), time.monotonic())
+        inc = _Incoming(transfer_id, ids, bytes(token), loop.create_future(), time.monotonic())
         if timeout_s is not None:
             error = TransferTimeout(f"transfer {transfer_id!r}: blocks did not arrive within {timeout_s}s")
             inc.timer = loop.call_later(timeout_s, lambda: self._spawn(self._stop(inc, "timed_out", error)))
@@ -171,6 +176,9 @@ class Receiver:
         inc = self._transfers.get(header.transfer_id)
         reason = _refusal(inc, header)
         if inc is None or reason:
+            # Nothing is posted: a refused sender cannot write a byte, and the invited
+            # transfer (if any) is untouched and may still arrive.
+            self._stats.bad_tokens += inc is not None and reason == _BAD_TOKEN
             self._record(TransferRecord("recv", header.transfer_id, "rejected", 0, 0.0))
             await chan.send_msg(wire.Reject(header.seq, reason))
             return
@@ -220,10 +228,15 @@ class _LaneStopped(Exception):
     """A lane saw its transfer stopped (by another lane's failure or by _stop) and posted no more."""
 
 
+_BAD_TOKEN = "the transfer's token is missing or wrong"
+
+
 def _refusal(inc: _Incoming | None, header: wire.TransferHeader) -> str:
     if inc is None:
         return (f"transfer {header.transfer_id!r} is not expected here "
                 "(never announced, already finished, timed out or cancelled)")
+    if not hmac.compare_digest(inc.token, header.token):  # first: nothing else is revealed
+        return _BAD_TOKEN
     if inc.channel is not None:
         return f"transfer {header.transfer_id!r} is already being received"
     if header.block_ids != inc.block_ids:

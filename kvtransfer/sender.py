@@ -73,7 +73,7 @@ class Sender:
         self.fault: SendFault | None = None
 
     async def send(self, peer: str, transfer_id: str, src_block_ids: Sequence[int],
-                   dst_block_ids: Sequence[int]) -> int:
+                   dst_block_ids: Sequence[int], token: bytes = b"") -> int:
         src, dst = [int(b) for b in src_block_ids], tuple(int(b) for b in dst_block_ids)
         num_blocks = self._kv_cache.shape[0]
         if len(src) != len(dst):
@@ -86,7 +86,7 @@ class Sender:
         start = time.monotonic()
         attempt = _Attempt()
         self._attempts.add(attempt)
-        task = asyncio.ensure_future(self._run(attempt, peer, transfer_id, src, dst, start))
+        task = asyncio.ensure_future(self._run(attempt, peer, transfer_id, bytes(token), src, dst, start))
         timeout = TransferTimeout(f"transfer {transfer_id!r} to {peer} did not finish within "
                                   f"{self._timeout_s}s")
         try:
@@ -125,11 +125,11 @@ class Sender:
                 chan.abort()
         self._idle.clear()
 
-    async def _run(self, attempt: _Attempt, peer: str, transfer_id: str, src: list[int],
+    async def _run(self, attempt: _Attempt, peer: str, transfer_id: str, token: bytes, src: list[int],
                    dst: tuple[int, ...], start: float) -> int:
         reusable = sending = False
         try:
-            chan, seq, reply = await self._start_transfer(attempt, peer, transfer_id, dst, start)
+            chan, seq, reply = await self._start_transfer(attempt, peer, transfer_id, token, dst, start)
             if isinstance(reply, wire.Reject):
                 reusable = True  # nothing was posted on either side
                 raise TransferRejected(f"{peer} refused transfer {transfer_id!r}: {reply.reason}")
@@ -152,7 +152,7 @@ class Sender:
             if attempt.channel is not None:
                 self._release(peer, attempt.channel, reusable and not attempt.stopped.is_set())
 
-    async def _start_transfer(self, attempt: _Attempt, peer: str, transfer_id: str,
+    async def _start_transfer(self, attempt: _Attempt, peer: str, transfer_id: str, token: bytes,
                               dst: tuple[int, ...], start: float,
                               ) -> tuple[Channel, int, wire.Message]:
         """Send the header; a pooled connection whose peer went away is replaced once."""
@@ -160,7 +160,7 @@ class Sender:
             chan, pooled = await self._checkout(attempt, peer, start)
             seq = chan.next_seq()
             try:
-                await chan.send_msg(wire.TransferHeader(seq, transfer_id, dst))
+                await chan.send_msg(wire.TransferHeader(seq, transfer_id, dst, token))
                 return chan, seq, await chan.recv_msg()
             except Exception:
                 if not pooled or retry or attempt.stopped.is_set():

@@ -29,6 +29,7 @@ class DirectionStats:
     rejected: int = 0
     cancelled: int = 0
     layout_mismatches: int = 0  # connections refused at the handshake
+    bad_tokens: int = 0  # headers of an expected transfer refused for a missing or wrong token
     seconds_total: float = 0.0  # summed over completed transfers
     last_seconds: float = 0.0
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer import wire
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import SendFault
 from kvtransfer.transport import KVTransport
@@ -157,8 +158,11 @@ async def _child(conn: Connection, caches: dict[str, CacheSpec], options: dict[s
     conn.send((0, True, {name: t.address for name, t in transports.items()}))
     futures: dict[str, asyncio.Future[int]] = {}
 
-    async def expect(name: str, tid: str, ids: list[int], timeout_s: float | None = None) -> None:
-        futures[tid] = transports[name].expect(tid, ids, timeout_s)
+    async def expect(name: str, tid: str, ids: list[int], timeout_s: float | None = None) -> bytes:
+        """-> the transfer's token, for the sender's `send`."""
+        token = wire.new_transfer_token()
+        futures[tid] = transports[name].expect(tid, ids, timeout_s, token=token)
+        return token
 
     async def wait(tid: str, timeout_s: float) -> int:
         fut = futures[tid]
@@ -172,9 +176,10 @@ async def _child(conn: Connection, caches: dict[str, CacheSpec], options: dict[s
         await transports[name].cancel(tid)
         return time.monotonic() - start
 
-    async def send(name: str, peer: str, tid: str, src: list[int], dst: list[int]) -> tuple[int, float]:
+    async def send(name: str, peer: str, tid: str, src: list[int], dst: list[int],
+                   token: bytes = b"") -> tuple[int, float]:
         start = time.monotonic()
-        nbytes = await transports[name].send(peer, tid, src, dst)
+        nbytes = await transports[name].send(peer, tid, src, dst, token)
         return nbytes, time.monotonic() - start
 
     async def digests(name: str) -> list[str]:

@@ -12,7 +12,8 @@ Protocol (messages in wire.py; block i of transfer #seq travels on data_tag(seq,
     HELLO {P's KVLayout}                 ->  check_compatible(D, P)
                                          <-  HELLO_ACK {D's KVLayout, error}
     P checks too: on a mismatch both sides log/raise LayoutMismatch and P hangs up.
-    HEADER {seq, transfer_id, dst ids}   ->  known, idle transfer with exactly these ids?
+    HEADER {seq, transfer_id, token,     ->  known, idle transfer, its token (constant-time),
+            dst ids}                         exactly these ids?
                                          <-  REJECT {seq, reason}       no: P raises TransferRejected;
                                                                         the connection stays usable
                                              yes: post tagged receives straight into
@@ -98,15 +99,18 @@ class KVTransport:
         """Transfers started and not yet ended, both directions (0 when idle: nothing leaks)."""
         return self._receiver.num_pending + self._sender.num_pending
 
-    def expect(self, transfer_id: str, block_ids: Sequence[int],
-               timeout_s: float | None = None) -> asyncio.Future[int]:
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float | None = None, *,
+               token: bytes) -> asyncio.Future[int]:
         """Receive transfer `transfer_id` into kv_cache[block_ids[i]] (block i of the sender's list).
+
+        token: the one-time secret (wire.new_transfer_token()) the sender must present; a header
+        without it is refused before any receive is posted, and the invitation stays open.
 
         The future resolves to the bytes received once every block landed, or fails with a
         TransferError; either way nothing of this transfer is written afterwards.  timeout_s
         (from now) fails it with TransferTimeout; None waits until cancel()."""
         self._check_open()
-        return self._receiver.expect(transfer_id, block_ids, timeout_s)
+        return self._receiver.expect(transfer_id, block_ids, timeout_s, token=token)
 
     async def cancel(self, transfer_id: str) -> None:
         """Stop receiving `transfer_id`.  Once this returns no byte will ever again be written
@@ -115,14 +119,15 @@ class KVTransport:
         await self._receiver.cancel(transfer_id)
 
     async def send(self, peer_address: str, transfer_id: str, src_block_ids: Sequence[int],
-                   dst_block_ids: Sequence[int]) -> int:
+                   dst_block_ids: Sequence[int], token: bytes = b"") -> int:
         """Send kv_cache[src[i]] into the peer's block dst[i]; returns the bytes sent.
+        token: the one the receiver issued for this transfer (without it the peer refuses).
 
         Raises TransferRejected (the peer did not expect it), TransferTimeout, TransferFailed,
         or LayoutMismatch (the peer serves another layout: a deployment error).  When it returns
         or raises, the source blocks are no longer read."""
         self._check_open()
-        return await self._sender.send(peer_address, transfer_id, src_block_ids, dst_block_ids)
+        return await self._sender.send(peer_address, transfer_id, src_block_ids, dst_block_ids, token)
 
     async def close(self) -> None:
         """Fail pending receives, stop sends in flight, drop all connections.  Call

@@ -7,8 +7,8 @@ message is one byte string (sent with a length prefix, so any size fits):
     body   by kind, little-endian:
       HELLO      UTF-8 JSON {"layout": {...}}                  sender -> receiver, once per connection
       HELLO_ACK  UTF-8 JSON {"layout": {...}, "error": "..."}  receiver's layout; error "" = accepted
-      HEADER     "<QIH" seq, num_blocks, len(transfer_id);
-                 transfer_id (UTF-8); num_blocks x "<I" destination block ids
+      HEADER     "<QIHB" seq, num_blocks, len(transfer_id), len(token);
+                 transfer_id (UTF-8); token; num_blocks x "<I" destination block ids
       READY      "<Q" seq                                      receives are posted: send the blocks
       REJECT     "<Q" seq; reason (UTF-8)                      nothing will be written; the link stays up
       DONE       "<QQ" seq, nbytes                             every block landed
@@ -21,6 +21,7 @@ prompt carries thousands of block ids.
 from __future__ import annotations
 
 import json
+import secrets
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -29,12 +30,14 @@ from typing import Any
 from kvtransfer.layout import KVLayout
 
 MAGIC = b"SSKV"
-VERSION = 1
+VERSION = 2  # 2: HEADER carries the transfer's one-time token
 _HEAD = struct.Struct("<4sBB")
 _SEQ = struct.Struct("<Q")
-_HEADER = struct.Struct("<QIH")
+_HEADER = struct.Struct("<QIHB")
 _DONE = struct.Struct("<QQ")
 MAX_TRANSFER_ID_BYTES = 0xFFFF
+MAX_TOKEN_BYTES = 0xFF
+MIN_TOKEN_BYTES = 16  # what a receiver accepts when it issues one
 MAX_BLOCK_ID = 0xFFFFFFFF
 
 # Tags are per connection (ucxx hashes them with the endpoint's own tag), so they
@@ -46,6 +49,11 @@ CONTROL_TAG = 0
 def data_tag(seq: int, index: int) -> int:
     # < 2**61, so Python's hash(tag) (which ucxx mixes in) is the identity
     return ((seq % (1 << 28)) << 32) | (index + 1)
+
+
+def new_transfer_token() -> bytes:
+    """A transfer's one-time token, issued by the receiver with its reservation (128 bits)."""
+    return secrets.token_bytes(MIN_TOKEN_BYTES)
 
 
 class WireError(ValueError):
@@ -77,6 +85,7 @@ class TransferHeader:
     seq: int  # numbers the transfers of one connection; picks the data tags
     transfer_id: str
     block_ids: tuple[int, ...]  # destination blocks on the receiver, in send order
+    token: bytes = b""  # the one-time token the receiver issued for this transfer
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,13 @@ def encode(msg: Message) -> bytes:
         tid = msg.transfer_id.encode()
         if len(tid) > MAX_TRANSFER_ID_BYTES:
             raise WireError(f"transfer id is {len(tid)} bytes, at most {MAX_TRANSFER_ID_BYTES}")
+        if len(msg.token) > MAX_TOKEN_BYTES:
+            raise WireError(f"transfer token is {len(msg.token)} bytes, at most {MAX_TOKEN_BYTES}")
         if any(not 0 <= b <= MAX_BLOCK_ID for b in msg.block_ids):
             raise WireError("block ids must fit in 32 bits")
         n = len(msg.block_ids)
-        return (_head(Kind.HEADER) + _HEADER.pack(msg.seq, n, len(tid)) + tid
-                + struct.pack(f"<{n}I", *msg.block_ids))
+        return (_head(Kind.HEADER) + _HEADER.pack(msg.seq, n, len(tid), len(msg.token)) + tid
+                + bytes(msg.token) + struct.pack(f"<{n}I", *msg.block_ids))
     if isinstance(msg, Ready):
         return _head(Kind.READY) + _SEQ.pack(msg.seq)
     if isinstance(msg, Reject):
@@ -147,11 +158,12 @@ def _decode_body(kind: Kind, body: bytes) -> Message:
         layout = KVLayout.from_dict(obj["layout"])
         return Hello(layout) if kind == Kind.HELLO else HelloAck(layout, str(obj.get("error", "")))
     if kind == Kind.HEADER:
-        seq, n, tid_len = _HEADER.unpack_from(body)
-        ids_at = _HEADER.size + tid_len
+        seq, n, tid_len, token_len = _HEADER.unpack_from(body)
+        token_at = _HEADER.size + tid_len
+        ids_at = token_at + token_len
         _expect_len(body, ids_at + 4 * n)
-        tid = body[_HEADER.size:ids_at].decode()
-        return TransferHeader(seq, tid, struct.unpack_from(f"<{n}I", body, ids_at))
+        tid = body[_HEADER.size:token_at].decode()
+        return TransferHeader(seq, tid, struct.unpack_from(f"<{n}I", body, ids_at), body[token_at:ids_at])
     if kind == Kind.READY:
         _expect_len(body, _SEQ.size)
         return Ready(_SEQ.unpack(body)[0])

@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 from services.affinity import format_cpu_list, plan_affinity, usable_cpus
+from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
+from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.tracing import add_tracing_args
 
@@ -48,10 +50,12 @@ class Stack:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="splitserve-"))
+        # One secret per stack, in the children's environment (argv is world-readable in ps).
+        self.env = {**os.environ, CLUSTER_TOKEN_ENV: cluster_token(args) or new_token()}
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         # New session: a Ctrl-C reaches us, and we stop the children in order.
-        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True, env=self.env)
         self.procs.append((name, proc))
         return proc
 
@@ -79,14 +83,17 @@ class Stack:
         pending = []
         # Each worker's gRPC port is chosen here, so the frontend starts alongside
         # the workers (its start-up overlaps theirs) and connects as they come up.
-        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        addrs: dict[str, list[str]] = {role: [f"{a.host}:{free_port(a.host)}" for _ in range(count)]
+                                       for role, count in (("prefill", a.prefill), ("decode", a.decode))}
         for role, count in (("prefill", a.prefill), ("decode", a.decode)):
+            peer_role = "decode" if role == "prefill" else "prefill"
             for i in range(count):
                 name = f"{role}-{i}"
                 ready = self.tmp / f"{name}.addr"
-                port = free_port(a.host)
-                addrs[role].append(f"{a.host}:{port}")
-                argv = [f"services.{role}", *common, "--worker-id", name, "--ready-file", str(ready),
+                port = int(addrs[role][i].rpartition(":")[2])
+                # Each worker knows its peers (and contacts no address a caller names).
+                peers = ["--" + peer_role, ",".join(addrs[peer_role])] if addrs[peer_role] else []
+                argv = [f"services.{role}", *common, *peers, "--worker-id", name, "--ready-file", str(ready),
                         "--grpc-port", str(port), "--kv-transfer-timeout", str(a.kv_transfer_timeout)]
                 cpus = pinning.get(name)
                 argv += ["--num-threads", str(a.num_threads or (len(cpus) if cpus else threads))]
@@ -177,6 +184,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="pin workers to cores: auto (each worker its own cores when there are enough; "
                         "1 prefill + 1 decode on 2 cores: cpu 0 and cpu 1), off, or e.g. "
                         "'prefill=0-3;decode=4-15' (split among each role's workers)")
+    add_cluster_token_arg(g)
     add_speculative_args(p)
     add_tracing_args(p)
 

@@ -21,7 +21,9 @@ from engine.block_pool import CacheEvent
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from protos import pb
-from services.engine_loop import EngineLoop
+from services.cluster_auth import add_cluster_token_arg, cluster_token, server_interceptors, warn_if_open
+from services.engine_loop import EngineDead, EngineLoop
+from services.peers import KnownPeers
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import Tracing, add_tracing_args
 
@@ -57,7 +59,24 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="register this worker's address here, for frontends that discover workers")
     g.add_argument("--cpus", default=None,
                    help="pin this worker to these cores, e.g. 0-3,6 (torch threads default to their count)")
+    add_cluster_token_arg(g)
+    peers = "prefill" if role == "decode" else "decode"
+    g.add_argument(f"--{peers}", type=peer_addresses, default=(),
+                   help=f"the {peers} workers this worker may contact (gRPC host:port[,...]); with "
+                        f"--redis-url also those registered there; no other address a caller names")
+    # Test-only fault hooks (services/engine_loop.py); nothing happens unless the file appears.
+    g.add_argument("--fault-engine-crash-file", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--fault-step-fail-file", default=None, help=argparse.SUPPRESS)
     add_tracing_args(p)
+
+
+def peer_addresses(value: str) -> tuple[str, ...]:
+    out = tuple(a.strip() for a in value.split(",") if a.strip())
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"peer address {a!r} is not host:port")
+    return out
 
 
 def advertise_host(args: argparse.Namespace) -> str:
@@ -105,6 +124,13 @@ async def start_transport(engine: LLMEngine, args: argparse.Namespace, port: int
 def numeric_fields(stats: object) -> dict[str, float]:
     """A stats dataclass's numeric fields as counters."""
     return {k: float(v) for k, v in asdict(stats).items() if isinstance(v, (int, float))}  # type: ignore[call-overload]
+
+
+def layout_dict(engine: LLMEngine) -> dict[str, Any]:
+    """The layout a registration carries and a peer's must equal (invariant 7)."""
+    p = layout_proto(engine)
+    return {f: getattr(p, f) for f in ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads",
+                                        "head_dim")}
 
 
 def layout_proto(engine: LLMEngine) -> pb.KVLayout:
@@ -230,11 +256,31 @@ class WorkerRPCs:
             cursor = log_.end
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        found = await self.state.engine.call(lambda e: e.abort(request.request_id))
+        rid = request.request_id
+        await self.before_free(rid)  # its KV transfer first: no write may land in freed blocks
+        found = await self.state.engine.call(lambda e: e.abort(rid))
+        self.state.engine.fail_stream(rid, RequestAborted(f"request {rid!r} was aborted"))
         return pb.AbortResponse(found=found)
+
+    async def before_free(self, request_id: str) -> None:
+        """Stop the request's KV transfer, if any, before its blocks are freed."""
 
     async def close(self) -> None:
         pass
+
+
+class RequestAborted(Exception):
+    """An Abort RPC ended the request; its stream answers CANCELLED."""
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
+    """End an RPC whose stream got `err` instead of an output, with the status that says
+    what a caller may do: UNAVAILABLE (engine dead: retry elsewhere), CANCELLED, INTERNAL."""
+    if isinstance(err, EngineDead):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker: {err}; use another")
+    if isinstance(err, RequestAborted):
+        await context.abort(grpc.StatusCode.CANCELLED, str(err))
+    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {err}")
 
 
 def pin_worker(args: argparse.Namespace, role: str) -> argparse.Namespace:
@@ -252,7 +298,7 @@ def pin_worker(args: argparse.Namespace, role: str) -> argparse.Namespace:
 
 
 def run_worker(args: argparse.Namespace, role: str,
-               make_servicer: Callable[[WorkerState, Any], Any],
+               make_servicer: Callable[[WorkerState, Any, KnownPeers, str | None], Any],
                add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     """flags -> config -> engine (own thread) -> UCX transport -> gRPC server, until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
@@ -263,9 +309,14 @@ def run_worker(args: argparse.Namespace, role: str,
     except ValueError as e:
         raise SystemExit(f"splitserve {role}: {e}") from None
 
-    async def amain() -> None:
+    token = cluster_token(args)
+    warn_if_open(token, args.host, f"splitserve {role}")
+    peer_role = "prefill" if role == "decode" else "decode"
+
+    async def amain() -> int:
         engine = build_engine(args)
-        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop = EngineLoop(engine, asyncio.get_running_loop(), crash_file=args.fault_engine_crash_file,
+                          step_fail_file=args.fault_step_fail_file)
         loop.start()
         transport = await start_transport(engine, args, port=args.ucx_port)
         worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -273,13 +324,28 @@ def run_worker(args: argparse.Namespace, role: str,
                             tracing=Tracing.start(f"splitserve-{role}", args.otlp_endpoint, worker_id))
         loop.on_cache_events = state.cache_events.append
         state.transport = transport
-        servicer = make_servicer(state, transport)
-        state.extra_counters = lambda: numeric_fields(servicer.stats)
-        server = grpc.aio.server()
-        add_to_server(servicer, server)
-        await serve(server, args, state, [service_name], [servicer.close, transport.close])
+        peers = KnownPeers(peer_role, getattr(args, peer_role))
+        discovery = None
+        if args.redis_url:
+            from services.discovery import Discovery
 
-    asyncio.run(amain())
+            discovery = peers.discovery = Discovery(args.redis_url, engine.model_id, peers, token=token,
+                                                    layout=layout_dict(engine))
+            await discovery.refresh()
+            discovery.start()
+        if not peers.configured:
+            log.warning("no %s workers known (--%s, --redis-url): this worker will refuse every "
+                        "request that names one", peer_role, peer_role)
+        servicer = make_servicer(state, transport, peers, token)
+        state.extra_counters = lambda: numeric_fields(servicer.stats)
+        server = grpc.aio.server(interceptors=server_interceptors(token))
+        add_to_server(servicer, server)
+        on_stop = [servicer.close, transport.close, *([discovery.close] if discovery else [])]
+        return await serve(server, args, state, [service_name], on_stop, token)
+
+    code = asyncio.run(amain())
+    if code:
+        raise SystemExit(code)
 
 
 async def drain(state: WorkerState, timeout: float) -> None:
@@ -297,7 +363,9 @@ async def drain(state: WorkerState, timeout: float) -> None:
 
 
 async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: WorkerState,
-                service_names: list[str], on_stop: list) -> None:  # type: ignore[type-arg]
+                service_names: list[str], on_stop: list,  # type: ignore[type-arg]
+                token: str | None = None) -> int:
+    """Until SIGTERM (-> 0) or the engine thread's death (-> 1: NOT_SERVING at once, then exit)."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME,
@@ -306,8 +374,7 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
     state.grpc_address = f"{advertise_host(args)}:{port}"
     state.metrics_url = start_metrics(state, args.host, args.metrics_port)
     await server.start()
-    for name in [*service_names, ""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s %s serving on %s (UCX %s)", state.role, state.worker_id, state.grpc_address,
              state.ucx_address or "-")
     if args.ready_file:
@@ -320,18 +387,32 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
         from services.discovery import Registration
 
         registration = Registration(args.redis_url, state.engine.engine.model_id, state.role,
-                                    state.worker_id, state.grpc_address)
+                                    state.worker_id, state.grpc_address,
+                                    layout=layout_dict(state.engine.engine), token=token)
         registration.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    marked: list[asyncio.Task[None]] = []
+
+    def on_death(err: BaseException) -> None:
+        log.critical("%s %s: engine thread died (%r): NOT_SERVING, exiting", state.role, state.worker_id, err)
+        state.draining = True  # load reports say so at once: frontends route elsewhere
+        marked.append(asyncio.ensure_future(set_health(health_servicer, service_names,
+                                                       health_pb2.HealthCheckResponse.NOT_SERVING)))
+        stop.set()
+
+    state.engine.on_death = on_death
+    if state.engine.dead is not None:  # died while starting up
+        on_death(state.engine.dead)
     await stop.wait()
-    await drain(state, args.drain_timeout)
+    if marked:  # the streams already have the error: no point waiting for them long
+        await asyncio.gather(*marked)
+    await drain(state, 1.0 if state.engine.dead is not None else args.drain_timeout)
     if registration is not None:  # frontends stop routing here before the server stops
         await registration.stop()
-    for name in [*service_names, ""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=1)
     for fn in on_stop:
         await fn()
@@ -340,3 +421,10 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
     from kvtransfer import shutdown_ucx
 
     shutdown_ucx()  # ucxx's notifier thread would otherwise keep the process alive
+    return 1 if state.engine.dead is not None else 0
+
+
+async def set_health(servicer: health.aio.HealthServicer, service_names: list[str],
+                     status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+    for name in [*service_names, ""]:
+        await servicer.set(name, status)

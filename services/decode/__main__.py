@@ -25,9 +25,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     run_worker(args, "decode",
-               lambda state, transport: DecodeServicer(
+               lambda state, transport, peers, token: DecodeServicer(
                    state, transport, local_prefill_threshold=args.local_prefill_threshold,
-                   failure_policy=args.kv_failure_policy, transfer_timeout=args.kv_transfer_timeout),
+                   failure_policy=args.kv_failure_policy, transfer_timeout=args.kv_transfer_timeout,
+                   prefills=peers, cluster_token=token),
                pb_grpc.add_DecodeServicer_to_server, "splitserve.v1.Decode")
 
 

@@ -16,10 +16,13 @@ import grpc
 from engine.outputs import StepOutput
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
+from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
+from services.cluster_auth import aio_channel
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.peers import KnownPeers
 from services.tracing import now_ns
-from services.worker import WorkerRPCs, WorkerState, layout_proto
+from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
 from services.worker_tracing import DecodeTrace
 
 log = logging.getLogger(__name__)
@@ -33,13 +36,17 @@ class DecodeStats:
     kv_transfer_recomputes: int = 0
     kv_bytes_received: int = 0
     waits_for_blocks: int = 0
+    unknown_prefill_refusals: int = 0  # Generate named a prefill worker this worker does not know
     kv_transfer_seconds: float = 0.0  # total, from asking the prefill worker to the blocks landing
 
 
 class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
     def __init__(self, state: WorkerState, transport, *, local_prefill_threshold: int,  # type: ignore[no-untyped-def]
-                 failure_policy: str, transfer_timeout: float, reserve_timeout: float = 60.0) -> None:
+                 failure_policy: str, transfer_timeout: float, reserve_timeout: float = 60.0,
+                 prefills: KnownPeers | None = None, cluster_token: str | None = None) -> None:
         self.state = state
+        self.prefills = prefills if prefills is not None else KnownPeers("prefill")
+        self.cluster_token = cluster_token
         self.transport = transport
         self.threshold = local_prefill_threshold
         self.failure_policy = failure_policy
@@ -51,7 +58,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = aio_channel(address, self.cluster_token)
         return pb_grpc.PrefillStub(ch)
 
     async def Generate(self, request: pb.WorkerGenerateRequest,
@@ -68,6 +75,13 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         q = loop.open_stream(rid)
         finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold
+        if remote and not await self.prefills.knows(request.prefill_address):
+            self.stats.unknown_prefill_refusals += 1
+            log.warning("refused Generate %s: prefill_address %r is not a known prefill worker",
+                        rid, request.prefill_address)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"prefill_address: {request.prefill_address!r} is not a prefill worker this "
+                                "decode worker knows (its --prefill flag or Redis registrations)")
         timings: dict[str, float] = {}
         clock = self.state.metrics.clock(len(ids)) if self.state.metrics is not None else None
         trace = None
@@ -89,7 +103,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                    await abort_with(context, out)
                     return
                 if trace is not None:
                     trace.token(out)
@@ -153,7 +167,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         loop = self.state.engine
         first_block = num_local // loop.engine.kv.block_size
-        landed = self.transport.expect(rid, block_ids[first_block:])
+        token = new_transfer_token()  # only the prefill worker we ask learns it
+        landed = self.transport.expect(rid, block_ids[first_block:], token=token)
         t0 = time.monotonic()
         timings["reserve"] = t0 - t_start
         if trace is not None:
@@ -163,7 +178,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
                                   priority=request.priority, cache_salt=request.cache_salt,
                                   kv_address=self.transport.address, dst_block_ids=block_ids,
-                                  first_block=first_block, layout=layout_proto(loop.engine)),
+                                  first_block=first_block, layout=layout_proto(loop.engine),
+                                  kv_token=token),
                 timeout=self.transfer_timeout, metadata=trace.metadata() if trace is not None else None)
             await asyncio.wait_for(landed, timeout=self.transfer_timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError, RuntimeError) as e:
@@ -175,7 +191,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             if self.failure_policy == "fail":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"remote prefill failed: {e}")
             self.stats.kv_transfer_recomputes += 1
-            await loop.call(lambda eng: eng.remote_kv_failed(rid))
+            # Aborted meanwhile (Abort RPC): the request is gone and its stream holds the error.
+            await loop.call(lambda eng: eng.remote_kv_failed(rid) if rid in eng.scheduler.requests else None)
             return
         self.stats.remote_prefills += 1
         self.stats.kv_bytes_received += resp.bytes_sent
@@ -185,9 +202,14 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         ft = resp.first_token
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
         t_landed = time.monotonic()
-        await loop.call(lambda eng: loop.emit([eng.remote_kv_landed(rid, first)]))
+        await loop.call(lambda eng: loop.emit([eng.remote_kv_landed(rid, first)])
+                        if rid in eng.scheduler.requests else None)  # else aborted meanwhile
         timings.update(prefill=resp.prefill_seconds, transfer=resp.transfer_seconds,
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
+
+    async def before_free(self, request_id: str) -> None:
+        """Abort: no byte of the request's KV transfer lands once this returns (invariant 3)."""
+        await self.transport.cancel(request_id)
 
     async def close(self) -> None:
         for ch in self._channels.values():

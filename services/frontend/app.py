@@ -52,7 +52,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     name = config.served_model_name or model_name(config.model)
     index = open_index(model_name(config.model), config.redis_url)
     pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model),
-                      index)
+                      index, cluster_token=config.cluster_token)
     discovery = None
     tracing = Tracing.start("splitserve-frontend", config.otlp_endpoint)
     try:
@@ -66,8 +66,12 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
             from services.discovery import Discovery
 
             assert config.redis_url is not None
+            from services.discovery import model_layout
+
+            fixed = model_layout(model_dir, model_name(config.model))
             discovery = Discovery(config.redis_url, model_name(config.model), pool,
-                                  config.discovery_interval_seconds)
+                                  config.discovery_interval_seconds, token=config.cluster_token,
+                                  layout=lambda: {**fixed, **(pool.kv_layout() or {})})
             await discovery.refresh()
             discovery.start()
         fe = Frontend(config, tokenizer, pool, name, build_router(config, pool), tracing)

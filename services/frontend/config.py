@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.tracing import add_tracing_args
 
 
@@ -42,6 +43,8 @@ class FrontendConfig:
     request_timeout_seconds: float = 0.0
     discovery_interval_seconds: float = 1.0
     otlp_endpoint: str | None = None  # OTLP gRPC collector for traces; None: tracing off
+    # The secret every call to a worker carries (services/cluster_auth.py); never printed.
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=1,
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
+    add_cluster_token_arg(p)
     add_tracing_args(p)
     return p
 
@@ -141,4 +145,5 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
         max_requests_per_tenant=args.max_requests_per_tenant, request_timeout_seconds=args.request_timeout,
-        discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint)
+        discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint,
+        cluster_token=cluster_token(args))

@@ -14,6 +14,7 @@ import grpc
 
 from engine.block_pool import CacheEvent
 from protos import pb, pb_grpc
+from services.cluster_auth import aio_channel
 from services.frontend.router import WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex
 from services.index.embedded import EmbeddedPrefixIndex
@@ -37,7 +38,7 @@ class Worker:
     """One worker: its channel, what it said about itself, its last load report."""
 
     def __init__(self, address: str, role: Role, interval: float, model_id: str | None = None,
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, cluster_token: str | None = None) -> None:
         self.address = address
         self.index = index  # fed with this worker's prefix-cache events
         self.cached: set[bytes] = set()  # this worker's cached blocks, to resync an index that missed events
@@ -45,7 +46,7 @@ class Worker:
         self.role = role
         self.interval = interval
         self.model_id = model_id  # what this frontend tokenizes for
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, cluster_token, options=_CHANNEL_OPTIONS)
         self.stub: Any = (pb_grpc.DecodeStub(self.channel) if role == "decode"
                           else pb_grpc.PrefillStub(self.channel))
         self.info: pb.WorkerInfo | None = None
@@ -199,13 +200,27 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, decode: Iterable[str], prefill: Iterable[str], interval: float = 0.2,
-                 model_id: str | None = None, index: PrefixIndex | None = None) -> None:
+                 model_id: str | None = None, index: PrefixIndex | None = None,
+                 cluster_token: str | None = None) -> None:
         self.index = index
         self.interval = interval
         self.model_id = model_id
-        self.decodes = {a: Worker(a, "decode", interval, model_id, index) for a in decode}
-        self.prefills = {a: Worker(a, "prefill", interval, model_id, index) for a in prefill}
+        self.cluster_token = cluster_token
+        self.decodes = {a: self._worker(a, "decode") for a in decode}
+        self.prefills = {a: self._worker(a, "prefill") for a in prefill}
         self._retiring: set[asyncio.Task[None]] = set()
+
+    def _worker(self, address: str, role: Role) -> Worker:
+        return Worker(address, role, self.interval, self.model_id, self.index, self.cluster_token)
+
+    def kv_layout(self) -> dict[str, object] | None:
+        """The full KV layout the serving workers reported (registrations must match it)."""
+        for w in self.all:
+            if w.info is not None and w.info.layout.block_size > 0:
+                lay = w.info.layout
+                return {f: getattr(lay, f) for f in ("model_id", "dtype", "block_size", "num_layers",
+                                                      "num_kv_heads", "head_dim")}
+        return None
 
     def layout(self) -> tuple[int, str] | None:
         """(block size, model id) as the workers reported them, for block hashes."""
@@ -244,7 +259,7 @@ class WorkerPool:
         workers = self.decodes if role == "decode" else self.prefills
         for address in sorted(addresses - workers.keys()):
             log.info("discovered %s worker at %s", role, address)
-            w = workers[address] = Worker(address, role, self.interval, self.model_id, self.index)
+            w = workers[address] = self._worker(address, role)
             w.start()
         for address in sorted(workers.keys() - addresses):
             log.info("%s worker at %s deregistered", role, address)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from protos import pb_grpc
+from services.peers import KnownDecodeListeners
 from services.prefill.servicer import PrefillServicer
 from services.worker import add_worker_args, run_worker
 
@@ -23,8 +24,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     run_worker(args, "prefill",
-               lambda state, transport: PrefillServicer(state, transport,
-                                                        fault_send_delay=args.fault_send_delay),
+               lambda state, transport, peers, token: PrefillServicer(
+                   state, transport, fault_send_delay=args.fault_send_delay,
+                   decodes=KnownDecodeListeners(peers, token, state.engine.engine.model_id)),
                pb_grpc.add_PrefillServicer_to_server, "splitserve.v1.Prefill")
 
 

@@ -13,8 +13,9 @@ import grpc
 
 from protos import pb, pb_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
-from services.worker import WorkerRPCs, WorkerState, layout_proto
+from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
 from services.worker_tracing import PrefillTrace
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class PrefillStats:
     blocks_sent: int = 0
     bytes_sent: int = 0
     transfer_failures: int = 0
+    unknown_decode_refusals: int = 0  # kv_address was no known decode worker's UCX listener
 
 
 def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
@@ -38,10 +40,14 @@ def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
 
 class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
     def __init__(self, state: WorkerState, transport,  # type: ignore[no-untyped-def]
-                 fault_send_delay: float = 0.0) -> None:
+                 fault_send_delay: float = 0.0, decodes: KnownDecodeListeners | None = None) -> None:
         self.state = state
         self.transport = transport
+        self.decodes = decodes or KnownDecodeListeners(KnownPeers("decode"), None,
+                                                       state.engine.engine.model_id)
         self.stats = PrefillStats()
+        self._sends: dict[str, asyncio.Task[int]] = {}  # request id -> its KV transfer in flight
+        self._aborted: set[str] = set()  # Abort RPCs whose Prefill has not ended yet
         # Fault injection for tests (a hung sender is otherwise hard to cause).
         self.fault_send_delay = fault_send_delay
 
@@ -53,6 +59,13 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
         mismatch = layout_mismatch(layout_proto(loop.engine), request.layout)
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
+        if not await self.decodes.knows(request.kv_address):  # before any work: push to no stranger
+            self.stats.unknown_decode_refusals += 1
+            log.warning("refused Prefill %s: kv_address %r is no known decode worker's",
+                        request.request_id, request.kv_address)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"kv_address: {request.kv_address!r} is not the KV listener of a decode "
+                                "worker this prefill worker knows (its --decode flag or Redis registrations)")
         try:
             params = sampling_from_proto(request.sampling)
             # Only token 1 is made here; min_tokens still bans EOS for it.
@@ -78,7 +91,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()
             if isinstance(out, BaseException):
-                await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out}")
+                await abort_with(context, out)
                 raise out  # abort() raises; this keeps the type checker informed
             prefill_s = time.monotonic() - t0
             if clock is not None:  # token 1 is the decode worker's to count
@@ -96,8 +109,16 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             t1_ns = now_ns() if trace is not None else 0
             if self.fault_send_delay:
                 await asyncio.sleep(self.fault_send_delay)
+            if rid in self._aborted:
+                await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
+            send = self._sends[rid] = asyncio.ensure_future(self.transport.send(
+                request.kv_address, rid, src[first:], dst[first:], request.kv_token))
             try:
-                nbytes = await self.transport.send(request.kv_address, rid, src[first:], dst[first:])
+                nbytes = await send
+            except asyncio.CancelledError:
+                if rid not in self._aborted:
+                    raise
+                await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted mid-transfer")
             except Exception as e:  # noqa: BLE001 - any transport failure is the decode side's to handle
                 self.stats.transfer_failures += 1
                 if trace is not None:
@@ -120,5 +141,21 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
         finally:
             if trace is not None:
                 trace.end(None if answered else "prefill failed or was cancelled")
+            self._sends.pop(rid, None)
+            self._aborted.discard(rid)
             loop.close_stream(rid)
             await loop.call(lambda e: e.abort(rid))  # frees held blocks (or the unfinished request)
+
+    async def before_free(self, request_id: str) -> None:
+        """Abort: stop the request's send before its held blocks are freed (UCX
+        reads them until the send has ended; invariant 3 on this side)."""
+        if not self.state.engine.has_stream(request_id):  # no Prefill of this id is running
+            return
+        self._aborted.add(request_id)
+        send = self._sends.get(request_id)
+        if send is not None and not send.done():
+            send.cancel()  # Sender stops UCX reading our blocks, then re-raises
+            await asyncio.wait({send})
+
+    async def close(self) -> None:
+        await self.decodes.close()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,12 +23,12 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], tmp: Path) -> None:
+    def __init__(self, name: str, argv: list[str], tmp: Path, env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
         self.ready.unlink(missing_ok=True)  # a restart must not see its predecessor's
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
             self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
                                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -53,14 +55,79 @@ class Proc:
         self.popen.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, 20)
 
 
-def start_worker(role: str, name: str, tmp: Path, *extra: str) -> Proc:
-    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp)
+def terminate(popen: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
+def start_worker(role: str, name: str, tmp: Path, *extra: str, env: Mapping[str, str] | None = None) -> Proc:
+    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp, env)
+
+
+def peer_flag(role: str, peers: Iterable[str]) -> list[str]:
+    """The flag naming the workers a `role` worker may contact: a decode worker's
+    prefill workers, a prefill worker's decode workers (gRPC host:port each)."""
+    addresses = ",".join(peers)
+    if not addresses:
+        return []
+    return ["--prefill" if role == "decode" else "--decode", addresses]
+
+
+def address(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+class FrontendProc:
+    """`python -m services.frontend` on free ports; `healthy()` once /health says 200."""
+
+    def __init__(self, tmp: Path, name: str, *args: str, env: Mapping[str, str] | None = None) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "services.frontend", "--port", str(self.port), "--grpc-port",
+                 str(self.grpc_port), "--log-level", "info", *args],
+                cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def health(self) -> int:
+        import httpx
+
+        assert self.popen.poll() is None, f"frontend exited ({self.popen.returncode}):\n{self.tail()}"
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code
+        except httpx.TransportError:
+            return 0
+
+    def stop(self) -> None:
+        terminate(self.popen, 30)
+
+
+class Listener:
+    """A TCP socket standing in for an attacker's address: nobody should ever connect."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def connected(self, within: float) -> bool:
+        readable, _, _ = select.select([self.sock], [], [], within)
+        return bool(readable)
+
+    def close(self) -> None:
+        self.sock.close()

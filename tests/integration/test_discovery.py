@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 import redis.asyncio as aioredis
 
 from services.discovery import Registration, read_registrations
@@ -24,13 +23,6 @@ from .procs import ROOT, free_port, start_worker
 from .test_prefix_index_redis import RedisServer
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    srv = RedisServer().start()
-    yield srv
-    srv.stop()
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:

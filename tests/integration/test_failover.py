@@ -20,7 +20,7 @@ import pytest
 
 from protos import pb, pb_grpc
 
-from .procs import ROOT, Proc, free_port, start_worker
+from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
@@ -33,7 +33,7 @@ LONG_PROMPT = "The keeper's logbook, day after day, recorded the wind, the tides
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("failover")
     ports = {"d0": free_port(), "d1": free_port(), "p0": free_port()}
-    workers = {name: start_named(name, tmp, port) for name, port in ports.items()}
+    workers = {name: start_named(name, tmp, ports) for name in ports}
     frontend = None
     try:
         for w in workers.values():
@@ -61,10 +61,13 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             w.stop()
 
 
-def start_named(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
-    """d*: decode workers, p*: prefill workers (prompts of 64 tokens and more go there)."""
-    return start_worker("decode" if name.startswith("d") else "prefill", name, tmp, "--num-blocks", "256",
-                        "--grpc-port", str(port), "--drain-timeout", "20")
+def start_named(name: str, tmp, ports: dict[str, int]) -> Proc:  # type: ignore[no-untyped-def]
+    """d*: decode workers, p*: prefill workers (prompts of 64 tokens and more go there);
+    each knows the other role's workers among `ports`."""
+    role = "decode" if name.startswith("d") else "prefill"
+    peers = [address(p) for n, p in ports.items() if n[0] != name[0]]
+    return start_worker(role, name, tmp, "--num-blocks", "256", "--grpc-port", str(ports[name]),
+                        "--drain-timeout", "20", *peer_flag(role, peers))
 
 
 def health(url: str) -> dict[str, Any]:
@@ -157,7 +160,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
     url, grpc_address, workers, ports, tmp, _ = stack
     for name in ("d0", "d1"):  # the previous test may have left one dead
         if workers[name].popen.poll() is not None:
-            workers[name] = start_named(name, tmp, ports[name])
+            workers[name] = start_named(name, tmp, ports)
             workers[name].wait_ready()
     wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
 
@@ -179,7 +182,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
         wait_until(lambda: len(done) >= mark + 2, 60, "no load")  # noqa: B023 - waited on at once
         workers[name].popen.send_signal(signal.SIGTERM)
         exits[name] = workers[name].popen.wait(timeout=60)
-        workers[name] = start_named(name, tmp, ports[name])
+        workers[name] = start_named(name, tmp, ports)
         workers[name].wait_ready()
         wait_until(lambda: health(url).get("healthy_decode_workers") == 2
                    and health(url).get("healthy_prefill_workers") == 1, 30, f"{name} never came back")
@@ -208,7 +211,7 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     url, grpc_address, workers, ports, tmp, frontend = stack
     for name in ("d0", "d1"):
         if workers[name].popen.poll() is not None:
-            workers[name] = start_named(name, tmp, ports[name])
+            workers[name] = start_named(name, tmp, ports)
             workers[name].wait_ready()
     wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
     seconds = float(os.environ.get("SPLITSERVE_SOAK_SECONDS", "30"))

@@ -109,8 +109,8 @@ def test_blocks_arrive_bit_exact_in_exactly_their_destinations(peers: Peers, nam
         before = rx.call("digests", name)
         src, dst = sample_ids(f"{name}{round_}")
         t = tid(name)
-        rx.call("expect", name, t, dst)
-        nbytes, _ = tx.call("send", name, rx.addresses[name], t, src, dst)
+        tok = rx.call("expect", name, t, dst)
+        nbytes, _ = tx.call("send", name, rx.addresses[name], t, src, dst, tok)
         block_bytes = BLOCK_BYTES // (2 if name == "bf16" else 1)
         assert nbytes == 64 * block_bytes
         assert rx.call("wait", t, 10.0) == nbytes
@@ -126,9 +126,8 @@ def test_concurrent_transfers_to_one_receiver(peers: Peers) -> None:
     before, src_digests = rx.call("digests", "f32"), tx.call("digests", "f32")
     src, dst = sample_ids("concurrent")
     parts = [(tid("concurrent"), src[i::4], dst[i::4]) for i in range(4)]
-    for t, _, d in parts:
-        rx.call("expect", "f32", t, d)
-    sends = [tx.submit("send", "f32", rx.addresses["f32"], t, s, d) for t, s, d in parts]
+    tokens = {t: rx.call("expect", "f32", t, d) for t, _, d in parts}
+    sends = [tx.submit("send", "f32", rx.addresses["f32"], t, s, d, tokens[t]) for t, s, d in parts]
     for req, (t, s, _) in zip(sends, parts, strict=True):
         assert tx.result(req, timeout=15.0)[0] == len(s) * BLOCK_BYTES
         assert rx.call("wait", t, 10.0) == len(s) * BLOCK_BYTES
@@ -140,8 +139,8 @@ def test_layout_mismatch_is_clear_on_both_sides_and_receiver_keeps_serving(peers
     src, dst = sample_ids("mismatch", 8)
     t = tid("mismatch")
     before = rx.call("digests", "bf16")
-    rx.call("expect", "bf16", t, dst)
-    err = raised(tx, "send", "odd", rx.addresses["bf16"], t, src, dst)
+    tok = rx.call("expect", "bf16", t, dst)
+    err = raised(tx, "send", "odd", rx.addresses["bf16"], t, src, dst, tok)
     assert err.type_name == "LayoutMismatch"
     assert "model_id: local 'other-model' vs remote 'test-model'" in err.message
     assert "num_layers: local 2 vs remote 4" in err.message
@@ -149,7 +148,7 @@ def test_layout_mismatch_is_clear_on_both_sides_and_receiver_keeps_serving(peers
     assert tx.call("stats", "odd")["sent"]["layout_mismatches"] == 1
     assert rx.call("digests", "bf16") == before
     # the same announced transfer then arrives from a compatible sender
-    nbytes, _ = tx.call("send", "bf16", rx.addresses["bf16"], t, src, dst)
+    nbytes, _ = tx.call("send", "bf16", rx.addresses["bf16"], t, src, dst, tok)
     assert rx.call("wait", t, 10.0) == nbytes
 
 
@@ -160,9 +159,9 @@ def test_stalled_sender_times_out_and_nothing_lands_afterwards(peers: Peers) -> 
     before, src_digests = rx.call("digests", "f32"), tx.call("digests", "f32_impatient")
     tx.call("fault", "f32_impatient", SendFault(stall_after_blocks=8, stall_s=30.0))
     try:
-        rx.call("expect", "f32", t, dst)
+        tok = rx.call("expect", "f32", t, dst)
         start = time.monotonic()
-        err = raised(tx, "send", "f32_impatient", rx.addresses["f32"], t, src, dst)
+        err = raised(tx, "send", "f32_impatient", rx.addresses["f32"], t, src, dst, tok)
         assert err.type_name == "TransferTimeout", err
         assert time.monotonic() - start < 4.0
         # the sender hung up, so the receiver's future fails at once, and cancel is a no-op
@@ -184,10 +183,10 @@ def test_hung_sender_times_out_and_nothing_lands_after_cancel(peers: Peers) -> N
     src, dst = sample_ids("hung")
     t = tid("hung")
     before, src_digests = rx.call("digests", "f32"), tx.call("digests", "f32_impatient")
-    rx.call("expect", "f32", t, dst)
+    tok = rx.call("expect", "f32", t, dst)
     tx.call("fault", "f32_impatient", SendFault(stall_after_blocks=8, stall_s=2.0, freeze_loop=True))
     try:
-        send = tx.submit("send", "f32_impatient", rx.addresses["f32"], t, src, dst)
+        send = tx.submit("send", "f32_impatient", rx.addresses["f32"], t, src, dst, tok)
         landed = moved(src_digests, src[:8], dst[:8])
         wait_until(lambda: all(rx.call("digests", "f32")[d] == h for d, h in landed.items()))
         assert rx.call("cancel", "f32", t) < 1.0  # returns while the sender is still frozen
@@ -203,8 +202,8 @@ def test_hung_sender_times_out_and_nothing_lands_after_cancel(peers: Peers) -> N
     # the receiver serves a new transfer into the same (freed and reused) blocks
     t2 = tid("hung-after")
     tx_digests = tx.call("digests", "f32")
-    rx.call("expect", "f32", t2, dst)
-    tx.call("send", "f32", rx.addresses["f32"], t2, src, dst)
+    tok2 = rx.call("expect", "f32", t2, dst)
+    tx.call("send", "f32", rx.addresses["f32"], t2, src, dst, tok2)
     assert rx.call("wait", t2, 10.0) == 64 * BLOCK_BYTES
     assert_only(rx.call("digests", "f32"), before, moved(tx_digests, src, dst))
 
@@ -213,15 +212,41 @@ def test_receiver_timeout_and_wrong_destinations(peers: Peers) -> None:
     rx, tx = peers.rx, peers.tx
     src, dst = sample_ids("rx-timeout", 4)
     t = tid("rx-timeout")
-    rx.call("expect", "f32", t, dst, 0.3)
+    tok = rx.call("expect", "f32", t, dst, 0.3)
     assert raised(rx, "wait", t, 5.0).type_name == "TransferTimeout"
     assert rx.call("stats", "f32")["received"]["timed_out"] >= 1
     t = tid("wrong-dst")
-    rx.call("expect", "f32", t, dst)
-    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst[::-1])
+    tok = rx.call("expect", "f32", t, dst)
+    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst[::-1], tok)
     assert err.type_name == "TransferRejected" and "reserved" in err.message, err
-    nbytes, _ = tx.call("send", "f32", rx.addresses["f32"], t, src, dst)  # the link is still usable
+    nbytes, _ = tx.call("send", "f32", rx.addresses["f32"], t, src, dst, tok)  # the link is still usable
     assert rx.call("wait", t, 10.0) == nbytes
+
+
+@pytest.mark.parametrize("token", [b"", b"\0" * 16, "other"], ids=["none", "zeros", "another's"])
+def test_a_sender_without_the_transfers_token_writes_nothing(peers: Peers, token: bytes | str) -> None:
+    """A sender that knows the transfer id and the exact destination blocks but not
+    the token the receiver issued (none, a guess, another transfer's) is refused
+    before a receive is posted; the invited transfer then still lands."""
+    rx, tx = peers.rx, peers.tx
+    src, dst = sample_ids(f"token-{token!r}")
+    t, other = tid("token"), tid("token-other")
+    before, src_digests = rx.call("digests", "f32"), tx.call("digests", "f32")
+    tok = rx.call("expect", "f32", t, dst)
+    other_tok = rx.call("expect", "f32", other, [b for b in range(NUM_BLOCKS) if b not in dst][:4])
+    rogue = other_tok if token == "other" else token
+    bad_before = rx.call("stats", "f32")["received"]["bad_tokens"]
+    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst, rogue)
+    assert err.type_name == "TransferRejected" and "token is missing or wrong" in err.message, err
+    assert rx.call("stats", "f32")["received"]["bad_tokens"] == bad_before + 1
+    assert rx.call("digests", "f32") == before  # not one byte landed
+    nbytes, _ = tx.call("send", "f32", rx.addresses["f32"], t, src, dst, tok)
+    assert rx.call("wait", t, 10.0) == nbytes
+    assert_only(rx.call("digests", "f32"), before, moved(src_digests, src, dst))
+    # one-time: the same token cannot write these blocks again
+    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst, tok)
+    assert err.type_name == "TransferRejected" and "not expected" in err.message, err
+    rx.call("cancel", "f32", other)
 
 
 def test_cancel_before_the_data_refuses_the_sender(peers: Peers) -> None:
@@ -229,10 +254,10 @@ def test_cancel_before_the_data_refuses_the_sender(peers: Peers) -> None:
     src, dst = sample_ids("early")
     t = tid("early")
     before = rx.call("digests", "f32")
-    rx.call("expect", "f32", t, dst)
+    tok = rx.call("expect", "f32", t, dst)
     assert rx.call("cancel", "f32", t) < 1.0
     assert raised(rx, "wait", t, 5.0).type_name == "TransferCancelled"
-    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst)
+    err = raised(tx, "send", "f32", rx.addresses["f32"], t, src, dst, tok)
     assert err.type_name == "TransferRejected" and "not expected" in err.message
     assert rx.call("digests", "f32") == before
     assert rx.call("stats", "f32")["received"]["cancelled"] >= 1
@@ -246,11 +271,11 @@ def test_cancel_while_blocks_arrive(peers: Peers, stall_after: int | None) -> No
     src, dst = sample_ids(f"racing{stall_after}")
     t = tid("racing")
     before, src_digests = rx.call("digests", "f32"), tx.call("digests", "f32")
-    rx.call("expect", "f32", t, dst)
+    tok = rx.call("expect", "f32", t, dst)
     if stall_after is not None:
         tx.call("fault", "f32", SendFault(stall_after_blocks=stall_after, stall_s=1.0))
     try:
-        send = tx.submit("send", "f32", rx.addresses["f32"], t, src, dst)
+        send = tx.submit("send", "f32", rx.addresses["f32"], t, src, dst, tok)
         if stall_after is not None:
             last = stall_after - 1
             wait_until(lambda: rx.call("digests", "f32")[dst[last]] == src_digests[src[last]])
@@ -278,8 +303,8 @@ def test_cancel_at_random_points_while_large_blocks_are_in_flight(peers: Peers) 
     blocks = list(range(BIG.num_blocks))
     for _ in range(4):
         t = tid("big")
-        rx.call("expect", "big", t, blocks[::-1])
-        send = tx.submit("send", "big", rx.addresses["big"], t, blocks, blocks[::-1])
+        tok = rx.call("expect", "big", t, blocks[::-1])
+        send = tx.submit("send", "big", rx.addresses["big"], t, blocks, blocks[::-1], tok)
         time.sleep(rng.uniform(0.0, 0.05))
         assert rx.call("cancel", "big", t) < 1.0
         snapshot = rx.call("digests", "big")
@@ -296,9 +321,9 @@ def test_sender_killed_mid_transfer(peers: Peers) -> None:
     src, dst = sample_ids("killed")
     t = tid("killed")
     before, src_digests = rx.call("digests", "f32"), victim.call("digests", "f32")
-    rx.call("expect", "f32", t, dst)
+    tok = rx.call("expect", "f32", t, dst)
     victim.call("fault", "f32", SendFault(stall_after_blocks=8, stall_s=60.0))
-    victim.submit("send", "f32", rx.addresses["f32"], t, src, dst)
+    victim.submit("send", "f32", rx.addresses["f32"], t, src, dst, tok)
     wait_until(lambda: rx.call("digests", "f32")[dst[7]] == src_digests[src[7]])
     victim.kill()
     start = time.monotonic()
@@ -309,8 +334,8 @@ def test_sender_killed_mid_transfer(peers: Peers) -> None:
     assert_only(rx.call("digests", "f32"), before, landed)
     # a live sender's transfer into the same blocks is served
     t2 = tid("after-kill")
-    rx.call("expect", "f32", t2, dst)
+    tok2 = rx.call("expect", "f32", t2, dst)
     tx_digests = peers.tx.call("digests", "f32")
-    tx.call("send", "f32", rx.addresses["f32"], t2, src, dst)
+    tx.call("send", "f32", rx.addresses["f32"], t2, src, dst, tok2)
     assert rx.call("wait", t2, 10.0) == 64 * BLOCK_BYTES
     assert_only(rx.call("digests", "f32"), before, moved(tx_digests, src, dst))

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.hashing import extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
-from .procs import ROOT, Proc, free_port, start_worker
+from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
@@ -43,8 +43,9 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
         time.sleep(0.05)
 
 
-def start_prefill(name: str, tmp, port: int) -> Proc:  # type: ignore[no-untyped-def]
-    return start_worker("prefill", name, tmp, "--grpc-port", str(port), *WORKER_ARGS)
+def start_prefill(name: str, tmp, port: int, decode_port: int) -> Proc:  # type: ignore[no-untyped-def]
+    return start_worker("prefill", name, tmp, "--grpc-port", str(port), *WORKER_ARGS,
+                        *peer_flag("prefill", [address(decode_port)]))
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,11 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     redis_port = free_port()
     redis = [start_redis(redis_port)]
     prefill_ports = {"pa": free_port(), "pb": free_port()}
-    workers = {name: start_prefill(name, tmp, port) for name, port in prefill_ports.items()}
-    workers["d0"] = start_worker("decode", "d0", tmp, *WORKER_ARGS, "--local-prefill-threshold", "32")
+    decode_port = free_port()
+    workers = {name: start_prefill(name, tmp, port, decode_port) for name, port in prefill_ports.items()}
+    workers["d0"] = start_worker("decode", "d0", tmp, *WORKER_ARGS, "--local-prefill-threshold", "32",
+                                 "--grpc-port", str(decode_port),
+                                 *peer_flag("decode", [address(p) for p in prefill_ports.values()]))
     frontends = []
     try:
         for w in workers.values():

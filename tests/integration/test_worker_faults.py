@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import start_worker
+from .procs import address, free_port, peer_flag, start_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [f"Request number {i}: describe the weather in a city you like, in detail. " * 3 for i in range(6)]
@@ -28,11 +28,16 @@ def offline():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("faults")
+    ports = {name: free_port() for name in ("victim", "slow", "d0")}
+    d0 = peer_flag("prefill", [address(ports["d0"])])
+    prefills = peer_flag("decode", [address(ports["victim"]), address(ports["slow"])])
     procs = {
-        "victim": start_worker("prefill", "victim", tmp, "--num-blocks", "128"),
-        "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--fault-send-delay", "4"),
+        "victim": start_worker("prefill", "victim", tmp, "--num-blocks", "128", "--grpc-port",
+                               str(ports["victim"]), *d0),
+        "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--fault-send-delay", "4",
+                             "--grpc-port", str(ports["slow"]), *d0),
         "d0": start_worker("decode", "d0", tmp, "--num-blocks", "128", "--local-prefill-threshold", "8",
-                           "--kv-transfer-timeout", "2"),
+                           "--kv-transfer-timeout", "2", "--grpc-port", str(ports["d0"]), *prefills),
     }
     try:
         for p in procs.values():

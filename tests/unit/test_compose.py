@@ -123,6 +123,20 @@ def test_names_it_uses_exist(compose: dict[str, Any], args: dict[str, Any]) -> N
             args["decode"].ucx_port, args["decode"].metrics_port} <= exposed
 
 
+def test_cluster_token_reaches_every_splitserve_service_as_a_secret(compose: dict[str, Any],
+                                                                    args: dict[str, Any]) -> None:
+    from services.cluster_auth import FILE_ENV
+
+    secret = compose["secrets"]["cluster_token"]
+    assert interpolate(secret["file"]) == "./secrets/cluster_token"
+    for role in ROLES:
+        service = compose["services"][role]
+        assert service["secrets"] == ["cluster_token"], role
+        assert service["environment"][FILE_ENV] == "/run/secrets/cluster_token", role
+        assert args[role].cluster_token is None  # never on the command line
+        assert not any("TOKEN" in k and k != FILE_ENV for k in service["environment"]), role
+
+
 def test_prometheus_scrapes_every_service(compose: dict[str, Any], args: dict[str, Any]) -> None:
     services = compose["services"]
     mounts = [v for v in services["prometheus"]["volumes"] if v.endswith("/etc/prometheus/prometheus.yml:ro")]

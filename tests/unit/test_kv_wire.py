@@ -61,6 +61,8 @@ def test_mismatch_names_every_differing_field_with_both_values() -> None:
     wire.HelloAck(SMOL, error="KV layout mismatch (dtype: ...)"),
     wire.TransferHeader(seq=7, transfer_id="req-1/ü", block_ids=(5, 0, 2**32 - 1, 17)),
     wire.TransferHeader(seq=1, transfer_id="empty", block_ids=()),
+    wire.TransferHeader(seq=9, transfer_id="r", block_ids=(3, 4), token=bytes(range(32))),
+    wire.TransferHeader(seq=9, transfer_id="r", block_ids=(3,), token=b"\xff" * 255),
     wire.TransferHeader(seq=2**63, transfer_id="x" * 1000, block_ids=tuple(range(4096))),
     wire.Ready(seq=3),
     wire.Reject(seq=3, reason="transfer 'x' is not expected here"),
@@ -76,18 +78,20 @@ def test_control_messages_round_trip(msg: wire.Message) -> None:
 
 def test_header_is_compact() -> None:
     msg = wire.TransferHeader(seq=1, transfer_id="r", block_ids=tuple(range(1000)))
-    assert len(wire.encode(msg)) == 6 + 14 + 1 + 4 * 1000
+    assert len(wire.encode(msg)) == 6 + 15 + 1 + 4 * 1000
+    with_token = wire.TransferHeader(seq=1, transfer_id="r", block_ids=tuple(range(1000)), token=b"t" * 16)
+    assert len(wire.encode(with_token)) == 6 + 15 + 1 + 16 + 4 * 1000
 
 
 @pytest.mark.parametrize("data, match", [
     (b"SSK", "shorter than its head"),
     (b"XXXX\x01\x04" + bytes(8), "bad magic"),
-    (b"SSKV\x02\x04" + bytes(8), "protocol version 2"),
-    (b"SSKV\x01\x63", "unknown control message kind 99"),
-    (b"SSKV\x01\x04" + bytes(7), "malformed READY"),
-    (b"SSKV\x01\x06" + bytes(17), "malformed DONE"),
-    (b"SSKV\x01\x01{not json", "malformed HELLO"),
-    (b"SSKV\x01\x01" + b'{"layout": {"model_id": "m"}}', "missing fields"),
+    (b"SSKV\x01\x04" + bytes(8), "protocol version 1"),  # a sender without transfer tokens
+    (b"SSKV\x02\x63", "unknown control message kind 99"),
+    (b"SSKV\x02\x04" + bytes(7), "malformed READY"),
+    (b"SSKV\x02\x06" + bytes(17), "malformed DONE"),
+    (b"SSKV\x02\x01{not json", "malformed HELLO"),
+    (b"SSKV\x02\x01" + b'{"layout": {"model_id": "m"}}', "missing fields"),
 ])
 def test_bad_messages_raise_wire_error(data: bytes, match: str) -> None:
     with pytest.raises(wire.WireError, match=match):
@@ -108,6 +112,8 @@ def test_header_rejects_ids_that_do_not_fit() -> None:
         wire.encode(wire.TransferHeader(seq=1, transfer_id="a", block_ids=(2**32,)))
     with pytest.raises(wire.WireError, match="transfer id"):
         wire.encode(wire.TransferHeader(seq=1, transfer_id="a" * 70000, block_ids=()))
+    with pytest.raises(wire.WireError, match="transfer token"):
+        wire.encode(wire.TransferHeader(seq=1, transfer_id="a", block_ids=(), token=b"t" * 256))
 
 
 def test_data_tags_are_distinct_per_block_and_transfer() -> None:

@@ -1,0 +1,108 @@
+"""No silent death (issue 14, acceptance 5): an error outside `step()` kills a
+decode worker's engine thread (a test-only hook: the thread raises once a file
+exists).  Health goes NOT_SERVING within a second, the request in flight there
+gets an error instead of hanging, the worker exits non-zero, and the frontend
+routes every later request to the other decode worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import pb, pb_grpc
+from services.cluster_auth import ENV, sync_channel
+from services.convert import sampling_to_proto
+
+from .procs import FrontendProc, address, free_port, start_worker
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = "engine-death-token-0123456789"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def health_status(addr: str) -> int:
+    """The worker's overall health, or -1 once it no longer answers."""
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+    except grpc.RpcError:
+        return -1
+
+
+def running(addr: str) -> int:
+    stub = pb_grpc.DecodeStub(sync_channel(addr, TOKEN))
+    return next(iter(stub.WatchLoad(pb.LoadRequest(interval_seconds=0.1), timeout=10))).running
+
+
+def test_engine_thread_death_is_never_silent(tmp_path: Path) -> None:
+    crash = tmp_path / "crash-engine-thread"
+    env = {ENV: TOKEN}
+    ports = {"d0": free_port(), "d1": free_port()}
+    d0 = start_worker("decode", "d0", tmp_path, "--num-blocks", "64", "--grpc-port", str(ports["d0"]),
+                      "--fault-engine-crash-file", str(crash), env=env)
+    d1 = start_worker("decode", "d1", tmp_path, "--num-blocks", "64", "--grpc-port", str(ports["d1"]),
+                      env=env)
+    fe = FrontendProc(tmp_path, "frontend", "--decode", f"{address(ports['d0'])},{address(ports['d1'])}",
+                      "--load-interval", "0.1", env=env)
+    try:
+        d0.wait_ready()
+        d1.wait_ready()
+        deadline = time.monotonic() + 120
+        while fe.health() != 200:
+            assert time.monotonic() < deadline, fe.tail()
+            time.sleep(0.1)
+
+        errors: list[grpc.RpcError] = []
+
+        def stream() -> None:  # in flight on d0 when its engine thread dies
+            req = pb.WorkerGenerateRequest(request_id="in-flight", prompt_token_ids=[1, 2, 3, 4, 5],
+                                           sampling=sampling_to_proto_long())
+            try:
+                list(pb_grpc.DecodeStub(sync_channel(d0.address, TOKEN)).Generate(req, timeout=120))
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while running(d0.address) != 1:
+            assert time.monotonic() < deadline, d0.tail()
+            time.sleep(0.05)
+
+        crash.touch()
+        start = time.monotonic()
+        status = health_status(d0.address)
+        while status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - start < 5:
+            status = health_status(d0.address)
+        elapsed = time.monotonic() - start
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING, (status, d0.tail())
+        assert elapsed < 1.0, f"NOT_SERVING after {elapsed:.2f} s"
+
+        t.join(timeout=30)
+        assert not t.is_alive(), "the request in flight hangs"
+        assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
+        assert d0.popen.wait(timeout=30) != 0, "a worker whose engine died must exit non-zero"
+        assert "engine thread died" in d0.tail(20000)
+
+        for i in range(6):  # all routed around the dead worker
+            r = httpx.post(f"{fe.url}/v1/completions", timeout=120,
+                           json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        fe.stop()
+        d0.stop()
+        d1.stop()
+
+
+def sampling_to_proto_long() -> pb.SamplingParams:
+    from engine import SamplingParams
+
+    return sampling_to_proto(SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
