@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from services.affinity import format_cpu_list, plan_affinity, usable_cpus
@@ -111,9 +112,7 @@ class Stack:
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
         argv += frontend_security_argv(a)
-        # Keys travel in the environment, not argv, where `ps` would show them.
-        env = dict(os.environ, **{API_KEY_ENV: ",".join(api_keys(a.api_key, os.environ))})
-        frontend = self._spawn("frontend", argv, env)
+        frontend = self._spawn("frontend", argv, frontend_env(a, os.environ))
         for name, proc, ready in pending:
             self._wait_ready(name, proc, ready, a.start_timeout)
         self._wait_http(frontend, f"{rest_scheme(a)}://{a.host}:{a.port}/health", a.start_timeout, a.prefill)
@@ -176,6 +175,12 @@ def frontend_security_argv(args: argparse.Namespace) -> list[str]:
     if args.tls_key:
         out += ["--tls-key", args.tls_key]
     return out
+
+
+def frontend_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The frontend's environment: the API keys travel here, not in argv, where
+    `ps` would show them to every user of the machine."""
+    return {**environ, API_KEY_ENV: ",".join(api_keys(args.api_key, environ))}
 
 
 def _own_tls() -> ssl.SSLContext:
