@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from benchmarks.serve_client import Progress, Target, run_requests
+from benchmarks.serve_client import Progress, Target, auth_headers, run_requests
 from benchmarks.serve_stats import RequestResult, format_table, summarize_groups
 from benchmarks.serve_workloads import (
     BenchRequest,
@@ -89,7 +89,7 @@ def server_model(base_url: str, timeout: float = 10.0) -> str:
     import httpx
 
     try:
-        r = httpx.get(f"{base_url}/v1/models", timeout=timeout)
+        r = httpx.get(f"{base_url}/v1/models", timeout=timeout, headers=auth_headers())
         r.raise_for_status()
         return str(r.json()["data"][0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:

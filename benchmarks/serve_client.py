@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -177,6 +178,12 @@ class Progress:
         self.stream.flush()
 
 
+def auth_headers() -> dict[str, str]:
+    """OPENAI_API_KEY, read as OpenAI's clients read it: for an endpoint that wants a key."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def run_requests(target: Target, requests: list[BenchRequest], concurrency: int | None,
                        timeout: float, progress: Progress,
                        transport: httpx.AsyncBaseTransport | None = None,
@@ -191,7 +198,8 @@ async def run_requests(target: Target, requests: list[BenchRequest], concurrency
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     results: list[RequestResult | None] = [None] * len(requests)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, transport=transport)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, transport=transport,
+                               headers=auth_headers())
     async with client:
 
         async def one(i: int, t0: float) -> None:

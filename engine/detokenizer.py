@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopMatcher
 
 # Prompt tokens kept as decode context for the first output token.
 INITIAL_CONTEXT_TOKENS = 5
@@ -43,28 +44,6 @@ def decode_window(
     return "", prefix_offset, read_offset
 
 
-def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
-    """Earliest stop string match that ends past text[:start] (text before `start`
-    was already searched): -> (index, stop) or None. Ties go to the longer stop."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        i = text.find(stop, max(0, start - len(stop) + 1))
-        if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(stop) > len(best[1]))):
-            best = (i, stop)
-    return best
-
-
-def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of text that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
-
-
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -77,6 +56,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
         self.output_token_ids: list[int] = []
+        self._stops = StopMatcher(params.stop_strings) if params.stop_strings else None
 
     @property
     def finished(self) -> bool:
@@ -101,18 +81,17 @@ class IncrementalDetokenizer:
             self.tokenizer, self._ids, self._prefix_offset, self._read_offset,
             self.params.skip_special_tokens, final=final,
         )
-        stops = self.params.stop_strings
+        stops = self._stops
         if new_text:
-            old_len = len(self.text)
             self.text += new_text
-            hit = find_stop(self.text, stops, old_len) if stops else None
+            hit = stops.feed(new_text) if stops is not None else None
             if hit is not None:
                 index, stop = hit
                 self.stop_reason = stop
                 end = index + len(stop) if self.params.include_stop_str_in_output else index
                 self.text = self.text[:end]
                 return self._release(len(self.text))
-        held = 0 if final or not stops else stop_prefix_len(self.text, stops)
+        held = 0 if final or stops is None else stops.held()
         return self._release(len(self.text) - held)
 
     def _release(self, upto: int) -> str:

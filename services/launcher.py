@@ -8,16 +8,19 @@ import argparse
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from services.affinity import format_cpu_list, plan_affinity, usable_cpus
 from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
 from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
+from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, check_security
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.tracing import add_tracing_args
 
@@ -53,9 +56,11 @@ class Stack:
         # One secret per stack, in the children's environment (argv is world-readable in ps).
         self.env = {**os.environ, CLUSTER_TOKEN_ENV: cluster_token(args) or new_token()}
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, argv: list[str],
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         # New session: a Ctrl-C reaches us, and we stop the children in order.
-        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True, env=self.env)
+        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True,
+                                env=self.env if env is None else {**self.env, **env})
         self.procs.append((name, proc))
         return proc
 
@@ -114,10 +119,11 @@ class Stack:
             argv += ["--redis-url", a.redis_url]
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
-        frontend = self._spawn("frontend", argv)
+        argv += frontend_security_argv(a)
+        frontend = self._spawn("frontend", argv, frontend_env(a, os.environ))
         for name, proc, ready in pending:
             self._wait_ready(name, proc, ready, a.start_timeout)
-        self._wait_http(frontend, f"http://{a.host}:{a.port}/health", a.start_timeout, a.prefill)
+        self._wait_http(frontend, f"{rest_scheme(a)}://{a.host}:{a.port}/health", a.start_timeout, a.prefill)
         return addrs
 
     def _wait_http(self, proc: subprocess.Popen[bytes], url: str, timeout: float, prefill: int) -> None:
@@ -127,7 +133,7 @@ class Stack:
             if proc.poll() is not None:
                 raise RuntimeError(f"frontend exited with {proc.returncode} during start-up")
             try:
-                with urllib.request.urlopen(url, timeout=1) as r:
+                with urllib.request.urlopen(url, timeout=1, context=_own_tls()) as r:
                     if r.status == 200 and json.load(r).get("healthy_prefill_workers", 0) >= prefill:
                         return
             except OSError:
@@ -166,6 +172,34 @@ class Stack:
         return 0
 
 
+def rest_scheme(args: argparse.Namespace) -> str:
+    return "https" if args.tls_cert else "http"
+
+
+def frontend_security_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--cache-isolation", args.cache_isolation]
+    if args.tls_cert:
+        out += ["--tls-cert", args.tls_cert]
+    if args.tls_key:
+        out += ["--tls-key", args.tls_key]
+    return out
+
+
+def frontend_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The frontend's environment: the API keys travel here, not in argv, where
+    `ps` would show them to every user of the machine."""
+    return {**environ, API_KEY_ENV: ",".join(api_keys(args.api_key, environ))}
+
+
+def _own_tls() -> ssl.SSLContext:
+    """For polling our own frontend's /health: its certificate names the public
+    host, not the address polled, and may be self-signed."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
@@ -187,6 +221,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_cluster_token_arg(g)
     add_speculative_args(p)
     add_tracing_args(p)
+    add_security_args(p)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -195,16 +230,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     try:
         speculative_config_from_args(args)  # fail before starting anything
+        check_security(api_keys(args.api_key, os.environ), args.tls_cert, args.tls_key, args.cache_isolation)
     except ValueError as e:
         print(f"splitserve: {e}", file=sys.stderr)
         return 2
     stack = Stack(args)
     try:
         addrs = stack.start()
-        print(f"splitserve is up: REST http://{args.host}:{args.port}/v1  gRPC {args.host}:{args.grpc_port}\n"
+        print(f"splitserve is up: REST {rest_scheme(args)}://{args.host}:{args.port}/v1  "
+              f"gRPC {args.host}:{args.grpc_port}\n"
               f"  prefill workers: {', '.join(addrs['prefill']) or '-'}\n"
               f"  decode workers:  {', '.join(addrs['decode'])}\n"
-              f"  cluster: http://{args.host}:{args.port}/cluster   metrics: /metrics   Ctrl-C stops",
+              f"  cluster: {rest_scheme(args)}://{args.host}:{args.port}/cluster   metrics: /metrics   "
+              "Ctrl-C stops",
               flush=True)
         return stack.wait()
     except RuntimeError as e:

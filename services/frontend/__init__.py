@@ -10,4 +10,5 @@ and relays the tokens.  Never imports torch.
     results.py     choices and usage                   openai_format.py  responses, SSE chunks
     rest.py        FastAPI routes                      grpc_service.py   Frontend.Generate
     core.py        the parts wired together            app.py       serve(): one loop, graceful stop
+    auth.py        API keys, tenants, cache salts
 """

@@ -2,7 +2,9 @@
 inside.  A request waits from admission to its first token; past the limits
 on waiting requests, their prompt tokens, or one tenant's concurrent
 requests, new ones get 429 (RESOURCE_EXHAUSTED on gRPC) at once, with a
-Retry-After hint, and nothing of them reaches a worker."""
+Retry-After hint, and nothing of them reaches a worker.  A request with
+several choices (prompts x n) waits as that many requests: each is a worker
+stream of its own."""
 
 from __future__ import annotations
 
@@ -28,11 +30,12 @@ class Admission:
         self.per_tenant: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()  # reason -> count
 
-    def admit(self, prompt_tokens: int, tenant: str | None) -> Ticket:
+    def admit(self, prompt_tokens: int, tenant: str | None, requests: int = 1) -> Ticket:
+        """prompt_tokens: of all its choices; requests: its choices (prompts x n)."""
         lim = self.limits
-        if lim.max_waiting_requests and self.waiting >= lim.max_waiting_requests:
+        if lim.max_waiting_requests and self.waiting + requests > lim.max_waiting_requests:
             self._reject("waiting_requests", f"{self.waiting} requests are waiting for their first token "
-                         f"(limit {lim.max_waiting_requests})")
+                         f"(limit {lim.max_waiting_requests}; this one counts as {requests})")
         if (lim.max_waiting_prompt_tokens and self.waiting
                 and self.waiting_tokens + prompt_tokens > lim.max_waiting_prompt_tokens):
             self._reject("waiting_prompt_tokens", f"{self.waiting_tokens} prompt tokens are waiting "
@@ -40,11 +43,11 @@ class Admission:
         if lim.max_requests_per_tenant and tenant and self.per_tenant[tenant] >= lim.max_requests_per_tenant:
             self._reject("tenant_requests", f"this API key or user has {self.per_tenant[tenant]} requests "
                          f"in flight (limit {lim.max_requests_per_tenant})")
-        self.waiting += 1
+        self.waiting += requests
         self.waiting_tokens += prompt_tokens
         if tenant:
             self.per_tenant[tenant] += 1
-        return Ticket(self, prompt_tokens, tenant)
+        return Ticket(self, prompt_tokens, tenant, requests)
 
     def _reject(self, reason: str, why: str) -> None:
         self.rejected[reason] += 1
@@ -56,18 +59,20 @@ class Ticket:
     """One admitted request's place: `started` at its first token, `release`
     when it ends (both idempotent)."""
 
-    __slots__ = ("_admission", "_tokens", "_tenant", "_waiting", "_open")
+    __slots__ = ("_admission", "_tokens", "_tenant", "_requests", "_waiting", "_open")
 
-    def __init__(self, admission: Admission, prompt_tokens: int, tenant: str | None) -> None:
+    def __init__(self, admission: Admission, prompt_tokens: int, tenant: str | None,
+                 requests: int = 1) -> None:
         self._admission = admission
         self._tokens = prompt_tokens
         self._tenant = tenant
+        self._requests = requests
         self._waiting = self._open = True
 
     def started(self) -> None:
         if self._waiting:
             self._waiting = False
-            self._admission.waiting -= 1
+            self._admission.waiting -= self._requests
             self._admission.waiting_tokens -= self._tokens
 
     def release(self) -> None:

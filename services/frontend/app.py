@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import threading
@@ -75,7 +76,10 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
             await discovery.refresh()
             discovery.start()
         fe = Frontend(config, tokenizer, pool, name, build_router(config, pool), tracing)
-        await _serve(fe, config, stop)
+        try:
+            await _serve(fe, config, stop)
+        finally:
+            fe.close()
     finally:
         if discovery is not None:
             await discovery.close()
@@ -100,13 +104,20 @@ async def _serve(fe: Frontend, config: FrontendConfig, stop: asyncio.Event) -> N
     await grpc_server.start()
     uv = _Uvicorn(uvicorn.Config(build_app(fe), host=config.host, port=config.port, lifespan="off",
                                  log_level=config.log_level, access_log=config.log_level == "debug",
+                                 ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
                                  # past the drain below, so that its 503s still go out
                                  timeout_graceful_shutdown=int(config.shutdown_grace_seconds) + 2))
     rest = asyncio.create_task(uv.serve(), name="uvicorn")
     health_task = asyncio.create_task(_publish_health(fe, health), name="grpc health")
-    log.info("frontend for %s: REST http://%s:%d, gRPC %s:%d, %d decode + %d prefill workers",
-             fe.model_name, config.host, config.port, config.host, config.grpc_port,
-             len(fe.pool.decodes), len(fe.pool.prefills))
+    scheme = "https" if config.tls_cert else "http"
+    log.info("frontend for %s: REST %s://%s:%d, gRPC %s:%d%s, %d decode + %d prefill workers%s",
+             fe.model_name, scheme, config.host, config.port, config.host, config.grpc_port,
+             " (TLS)" if config.tls_cert else "", len(fe.pool.decodes), len(fe.pool.prefills),
+             f", {len(config.api_keys)} API key(s)" if config.api_keys else "")
+    if not config.api_keys and not is_loopback(config.host):
+        log.warning("no API key (--api-key or SPLITSERVE_API_KEY): anyone who can reach %s on ports %d "
+                    "and %d can use this cluster, and read /metrics and /cluster", config.host,
+                    config.port, config.grpc_port)
     try:
         await asyncio.wait({rest, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -118,6 +129,15 @@ async def _serve(fe: Frontend, config: FrontendConfig, stop: asyncio.Event) -> N
         await asyncio.gather(grpc_stopped, rest, return_exceptions=True)
     if not uv.started:
         raise SystemExit(f"frontend: REST server could not start on {config.host}:{config.port}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 async def _publish_health(fe: Frontend, health: object) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.tracing import add_tracing_args
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,14 @@ class FrontendConfig:
     # How long startup waits for every worker's Info before serving anyway.
     worker_wait_seconds: float = 120.0
     load_interval_seconds: float = 0.2
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = 4 << 20
     max_n: int = 128
+    # What one request may ask for, checked before any work: prompts in one request,
+    # choices (prompts x n; admission counts each as a request), and characters per
+    # prompt before tokenizing (0: 16 per token of the context, see prepare.py).
+    max_prompts: int = 64
+    max_choices: int = 256
+    max_prompt_chars: int = 0
     shutdown_grace_seconds: float = 5.0
     log_level: str = "info"
     # The cluster prefix index: embedded (fed by the workers' load streams) or Redis.
@@ -40,11 +49,17 @@ class FrontendConfig:
     max_waiting_requests: int = 256
     max_waiting_prompt_tokens: int = 0
     max_requests_per_tenant: int = 0
-    request_timeout_seconds: float = 0.0
+    request_timeout_seconds: float = 600.0
     discovery_interval_seconds: float = 1.0
     otlp_endpoint: str | None = None  # OTLP gRPC collector for traces; None: tracing off
     # The secret every call to a worker carries (services/cluster_auth.py); never printed.
     cluster_token: str | None = field(default=None, repr=False)
+    # Clients: bearer keys (none: anyone who reaches the ports may call), TLS on the
+    # REST and gRPC ports, and whether tenants (keys) share prefix-cache blocks.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    cache_isolation: str = "none"  # none | tenant
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -68,6 +83,12 @@ class FrontendConfig:
             raise ValueError("load_interval: must be > 0")
         if self.discovery_interval_seconds <= 0:
             raise ValueError("discovery_interval: must be > 0")
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_choices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.max_prompt_chars < 0:
+            raise ValueError("max_prompt_chars: must be >= 0 (0: 16 per token of the context)")
+        check_security(self.api_keys, self.tls_cert, self.tls_key, self.cache_isolation)
 
     @property
     def discover_workers(self) -> bool:
@@ -75,8 +96,28 @@ class FrontendConfig:
         return not self.decode
 
 
+def check_security(api_keys: Sequence[str], tls_cert: str | None, tls_key: str | None,
+                   cache_isolation: str) -> None:
+    """The client-facing trust settings (`splitserve up` checks them before starting anything)."""
+    if any(not k or k != k.strip() or "," in k for k in api_keys):
+        raise ValueError("api_key: keys must be non-empty, without spaces at either end or commas")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert, tls_key: give both or neither")
+    if cache_isolation not in ("none", "tenant"):
+        raise ValueError(f"cache_isolation: must be none or tenant, got {cache_isolation!r}")
+    if cache_isolation == "tenant" and not api_keys:
+        raise ValueError(f"cache_isolation: tenant needs API keys (--api-key or {API_KEY_ENV}): "
+                         "tenants are told apart by their key")
+
+
 def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def api_keys(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, ...]:
+    """--api-key (repeatable) and SPLITSERVE_API_KEY (comma-separated), in that order, once each."""
+    keys = [*(flags or ()), *env.get(API_KEY_ENV, "").split(",")]
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,8 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds startup waits for the workers to answer Info")
     p.add_argument("--load-interval", type=float, default=0.2, help="WatchLoad report interval, seconds")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (REST and gRPC)")
     p.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
+    p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one /v1/completions request")
+    p.add_argument("--max-choices", type=int, default=256,
+                   help="most choices (prompts x n) in one request; admission counts each as a request")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="longest prompt (or chat messages together) in characters, checked before "
+                        "tokenizing (0: 16 x the workers' max_model_len)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -121,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens of the waiting requests; past it: 429 (0: no limit)")
     p.add_argument("--max-requests-per-tenant", type=int, default=0,
                    help="concurrent requests per API key (or `user` field); past it: 429 (0: no limit)")
-    p.add_argument("--request-timeout", type=float, default=0.0,
+    p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take in all; past it, it is aborted everywhere (0: none; "
                         "per request: header X-Request-Timeout or a gRPC deadline)")
+    add_security_args(p)
     p.add_argument("--max-migrations", type=int, default=1,
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
@@ -132,7 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """The client-facing trust flags (`splitserve up` takes the same)."""
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; also "
+                        f"{API_KEY_ENV}, comma-separated); none: no authentication")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve REST and gRPC over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--cache-isolation", default="none", choices=["none", "tenant"],
+                   help="tenant: each API key gets its own prefix-cache namespace (no shared blocks, "
+                        "no cached_tokens or timing across keys)")
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> FrontendConfig:
     args = build_parser().parse_args(argv)
     return FrontendConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, model=args.model,
@@ -146,4 +206,6 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
         max_requests_per_tenant=args.max_requests_per_tenant, request_timeout_seconds=args.request_timeout,
         discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint,
-        cluster_token=cluster_token(args))
+        max_prompts=args.max_prompts, max_choices=args.max_choices, max_prompt_chars=args.max_prompt_chars,
+        api_keys=api_keys(args.api_key, os.environ if env is None else env), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, cache_isolation=args.cache_isolation, cluster_token=cluster_token(args))

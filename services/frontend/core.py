@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from services.frontend.admission import Admission, Limits, Ticket
+from services.frontend.auth import Auth, Tenant, bearer
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher
 from services.frontend.errors import APIError
@@ -20,6 +24,8 @@ from services.frontend.tokenizer import Tokenizer
 from services.frontend.workers import WorkerPool
 from services.tracing import Carrier, Tracing
 
+T = TypeVar("T")
+MAX_CLIENT_ID_CHARS = 256  # a client's own request id, echoed back
 
 class Frontend:
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, pool: WorkerPool, model_name: str,
@@ -33,19 +39,61 @@ class Frontend:
         if hasattr(router, "observe_lookup"):
             router.observe_lookup = self.metrics.observe_lookup
         self.dispatcher = Dispatcher(pool, router, self.metrics, config.max_migrations)
-        self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
+        # A request with more choices than the waiting room holds could never be
+        # admitted: it is refused as too large (400), not told to retry (429).
+        max_choices = min(config.max_choices, config.max_waiting_requests or config.max_choices)
+        self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len,
+                                 max_prompts=config.max_prompts, max_choices=max_choices,
+                                 max_prompt_chars=config.max_prompt_chars)
         self.admission = Admission(Limits(config.max_waiting_requests, config.max_waiting_prompt_tokens,
                                           config.max_requests_per_tenant))
+        self.metrics.waiting.set_function(lambda: self.admission.waiting)
+        self.auth = Auth(config.api_keys)
+        # Parsing, chat templates and tokenizing (the tokenizer lets go of the GIL)
+        # run here, off the event loop, so that one large prompt stalls nobody else.
+        self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="prepare")
         self.created = int(time.time())
         self.active: set[RequestRun] = set()
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
+        """Worker-side ids are always made here; a client's own id is only echoed back."""
         return f"{prefix}-{uuid.uuid4().hex}"
 
+    @staticmethod
+    def client_request_id(value: str | None, field: str) -> str | None:
+        if value and len(value) > MAX_CLIENT_ID_CHARS:
+            raise APIError(400, f"{field}: at most {MAX_CLIENT_ID_CHARS} characters, got {len(value)}", field)
+        return value or None
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+        except RuntimeError:  # the pool is shut down: the frontend is stopping
+            raise APIError(503, "the frontend is shutting down; retry", None, "shutting_down") from None
+        return await future
+
+    def close(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    def tenant_name(self, tenant: Tenant | None, authorization: str | None, user: str | None) -> str | None:
+        """Whom per-tenant limits count: the API key when keys are configured; else
+        whatever the client calls itself (a bearer token or `user`)."""
+        if self.auth.enabled:
+            return tenant.name if tenant is not None else None
+        return bearer(authorization) or user or None
+
+    def isolate(self, plan: Plan, tenant: Tenant | None) -> Plan:
+        """--cache-isolation tenant: the plan's cache salt becomes the key's own."""
+        if self.config.cache_isolation != "tenant" or tenant is None:
+            return plan
+        return dataclasses.replace(plan, cache_salt=tenant.cache_salt(plan.cache_salt))
+
     def admit(self, plan: Plan, tenant: str | None) -> Ticket:
-        """A place in the waiting room, or a 429 (APIError) at once."""
-        return self.admission.admit(sum(len(p.token_ids) for p in plan.prompts) * plan.n, tenant)
+        """A place in the waiting room, or a 429 (APIError) at once.  Each choice
+        (prompts x n) is a worker stream, and waits as a request of its own."""
+        return self.admission.admit(sum(len(p.token_ids) for p in plan.prompts) * plan.n, tenant,
+                                    requests=len(plan.prompts) * plan.n)
 
     def start(self, plan: Plan, endpoint: str, arrival: float, carrier: Carrier | None = None,
               ticket: Ticket | None = None, timeout: float | None = None) -> RequestRun:

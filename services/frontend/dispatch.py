@@ -185,12 +185,12 @@ class Dispatcher:
                            prefill_tokens: int = 0) -> AsyncIterator[pb.WorkerGenerateResponse]:
         """prefill_tokens: what the prefill worker is expected to compute (its
         queue as the router sees it, until the first token comes back)."""
+        request = job.to_proto(prefill.address if prefill else "")  # before any counter goes up
         decode.inflight += 1
         if prefill is not None:
             prefill.inflight += 1
             prefill.inflight_prompt_tokens += prefill_tokens
-        call = decode.stub.Generate(job.to_proto(prefill.address if prefill else ""),
-                                    metadata=trace.metadata() if trace is not None else None)
+        call = decode.stub.Generate(request, metadata=trace.metadata() if trace is not None else None)
         finished = False
         try:
             async for msg in _watched(call, decode):

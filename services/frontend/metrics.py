@@ -115,6 +115,8 @@ class Metrics:
                                          "streams resumed on another decode worker mid-generation")
         self.in_flight = Gauge("splitserve_frontend_requests_in_flight", "requests being served",
                                registry=r)
+        self.waiting = Gauge("splitserve_frontend_requests_waiting",
+                             "admitted choices (prompts x n) not yet at their first token", registry=r)
         self.worker_retries = Counter("splitserve_worker_retries",
                                       "worker calls retried on another decode worker", ["reason"],
                                       registry=r)

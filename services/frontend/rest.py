@@ -1,5 +1,9 @@
 """OpenAI-compatible REST: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-and /health, /metrics, /cluster."""
+and /health, /metrics, /cluster.
+
+With API keys configured every path but /health wants `Authorization: Bearer KEY`
+(401 otherwise): the operator's views (/metrics, /cluster: worker addresses,
+load) are no more open than the API."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.frontend import openai_format as fmt
+from services.frontend.auth import Auth, Tenant
 from services.frontend.core import Frontend
 from services.frontend.dispatch import Event
 from services.frontend.errors import APIError
@@ -26,20 +32,48 @@ from services.frontend.runner import CLIENT_CLOSED, RequestRun
 
 log = logging.getLogger("splitserve.frontend.rest")
 T = TypeVar("T")
+TENANT = "splitserve.tenant"  # ASGI scope key: the caller's Tenant, set by RequireKey
+OPEN_PATHS = frozenset({"/health"})
 
 
 class ClientGone(Exception):
     pass
 
 
-def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after is not None else None
-    return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
+def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if e.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(e.retry_after)))
+    if e.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="splitserve"'
+    return JSONResponse(e.to_json(), status_code=e.status, headers=headers or None)
+
+
+class RequireKey:
+    """ASGI middleware: the API key is checked before anything else, the body
+    included, so an unauthenticated client costs nothing but the headers."""
+
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"),
+                                 None)
+            try:
+                scope[TENANT] = self.auth.authenticate(authorization)
+            except APIError as e:
+                await error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(fe: Frontend) -> FastAPI:
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     _describe_bodies(app)
+    if fe.auth.enabled:
+        app.add_middleware(RequireKey, auth=fe.auth)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -145,13 +179,6 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
-def api_key(authorization: str | None) -> str | None:
-    """The bearer token, which names the tenant for per-tenant limits."""
-    if authorization and authorization.lower().startswith("bearer "):
-        return authorization[7:].strip() or None
-    return None
-
-
 def request_timeout(value: str | None) -> float | None:
     """The X-Request-Timeout header (seconds), overriding --request-timeout."""
     if value is None:
@@ -166,29 +193,38 @@ def request_timeout(value: str | None) -> float | None:
     return seconds
 
 
+def _prepare(fe: Frontend, body: bytes, chat: bool,
+             request_id: str) -> tuple[ChatCompletionRequest | CompletionRequest, Plan]:
+    """Parse and plan (chat template, tokenizing): runs off the event loop."""
+    if chat:
+        chat_req = parse_body(body, ChatCompletionRequest)
+        return chat_req, fe.preparer.chat(chat_req, request_id)
+    req = parse_body(body, CompletionRequest)
+    return req, fe.preparer.completion(req, request_id)
+
+
 async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
     arrival = time.monotonic()
     chat = endpoint == "chat.completions"
     request_id = fe.new_request_id("chatcmpl" if chat else "cmpl")
+    headers = {"X-Request-Id": request_id}  # the client's own X-Request-Id, when it sent one
     try:
+        headers["X-Request-Id"] = fe.client_request_id(request.headers.get("x-request-id"),
+                                                       "X-Request-Id") or request_id
+        tenant: Tenant | None = request.scope.get(TENANT)
         body = await read_body(request, fe.config.max_body_bytes)
-        parsed: ChatCompletionRequest | CompletionRequest
-        if chat:
-            parsed = parse_body(body, ChatCompletionRequest)
-            plan = fe.preparer.chat(parsed, request_id)
-        else:
-            parsed = parse_body(body, CompletionRequest)
-            plan = fe.preparer.completion(parsed, request_id)
+        parsed, plan = await fe.off_loop(_prepare, fe, body, chat, request_id)
+        plan = fe.isolate(plan, tenant)
         timeout = request_timeout(request.headers.get("x-request-timeout"))
         fe.dispatcher.check_available()
-        ticket = fe.admit(plan, api_key(request.headers.get("authorization")) or parsed.user)
+        ticket = fe.admit(plan, fe.tenant_name(tenant, request.headers.get("authorization"), parsed.user))
     except APIError as e:
         fe.metrics.requests.labels(endpoint, str(e.status)).inc()
-        return error_response(e)
+        return error_response(e, headers)
     run = fe.start(plan, endpoint, arrival, request.headers, ticket, timeout)
     env = fmt.Envelope(request_id, int(time.time()), fe.model_name)
     if plan.stream:
-        return await _stream(request, run, env, chat)
+        return await _stream(request, run, env, chat, headers)
     status = "500"
     try:
         results = await cancel_on_disconnect(request, run.collect())
@@ -198,14 +234,15 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
         return Response(status_code=499)
     except APIError as e:
         status = str(e.status)
-        return error_response(e)
+        return error_response(e, headers)
     finally:
         run.close(status)
     build = fmt.chat_response if chat else fmt.completion_response
-    return JSONResponse(build(env, results.choices, results.usage(), plan.logprobs))
+    return JSONResponse(build(env, results.choices, results.usage(), plan.logprobs), headers=headers)
 
 
-async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool) -> Response:
+async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool,
+                  headers: dict[str, str]) -> Response:
     """SSE.  The first event is awaited before answering, so a request that fails
     before any token still gets its error status instead of a 200 stream."""
     events = run.events()
@@ -216,7 +253,7 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
         return Response(status_code=499)
     except APIError as e:
         run.close(str(e.status))
-        return error_response(e)
+        return error_response(e, headers)
     except BaseException:
         run.close("500")
         raise
@@ -248,7 +285,7 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
             run.close(status)
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": env.id})
+                             headers={"Cache-Control": "no-cache", **headers})
 
 
 def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool) -> str | None:

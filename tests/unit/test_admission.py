@@ -54,3 +54,18 @@ def test_no_limits_by_zero() -> None:
     for t in tickets:
         t.release()
     assert adm.waiting == 0 and not adm.per_tenant
+
+
+def test_a_request_waits_as_its_choices() -> None:
+    """10 prompts x n=2: twenty worker streams, twenty places in the waiting room."""
+    adm = Admission(Limits(max_waiting_requests=25))
+    big = adm.admit(100, None, requests=20)
+    assert adm.waiting == 20
+    with pytest.raises(APIError):
+        adm.admit(10, None, requests=6)
+    small = adm.admit(10, None, requests=5)
+    big.started()
+    assert adm.waiting == 5
+    small.release()
+    big.release()
+    assert adm.waiting == 0 and adm.waiting_tokens == 0

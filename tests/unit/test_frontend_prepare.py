@@ -166,3 +166,42 @@ def test_grpc_request() -> None:
 def test_guards_bound_what_one_request_may_ask_for(body: dict[str, Any], param: str) -> None:
     e = error(preparer().completion, completion(prompt="hi", **body), "r")
     assert e.status == 400 and e.param == param and "at most" in e.message
+
+
+class NoTokenizing(CharTokenizer):
+    """Fails the test if anything is tokenized: limits come first."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise AssertionError("tokenized a request that a limit should have refused")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": ["a"] * 65}, "prompt"),  # prompts in one request
+    ({"prompt": [[1]] * 3, "n": 3}, "n"),  # 9 choices, over 8
+    ({"prompt": "a" * (16 * MAX_LEN + 1)}, "prompt"),  # characters, before tokenizing
+    ({"prompt": ["a", "b" * (16 * MAX_LEN + 1)]}, "prompt[1]"),
+    ({"prompt": [1] * (MAX_LEN + 5000)}, "prompt"),  # token ids: the length first, not each id
+    ({"prompt": "a", "stop": ["s" * 1025]}, "stop"),
+    ({"prompt": "a", "priority": 2**31}, "priority"),
+    ({"prompt": "a", "seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"prompt": "a", "top_k": 2**31}, "top_k"),
+    ({"prompt": "a", "stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"prompt": "a", "cache_salt": "s" * 257}, "cache_salt"),
+])
+def test_limits_are_checked_before_tokenizing(body: dict[str, Any], param: str) -> None:
+    prep = Preparer(NoTokenizing(), "m", max_n=4, max_model_len=lambda: MAX_LEN,  # type: ignore[arg-type]
+                    max_prompts=64, max_choices=8)
+    e = error(prep.completion, completion(**body), "r")
+    assert e.status == 400 and e.param == param, e.message
+
+
+def test_chat_characters_are_counted_before_the_template() -> None:
+    prep = Preparer(NoTokenizing(), "m", max_n=4, max_model_len=lambda: MAX_LEN,  # type: ignore[arg-type]
+                    max_prompt_chars=10)
+    messages = [{"role": "user", "content": "a" * 6}, {"role": "assistant", "content": "b" * 5}]
+    assert error(prep.chat, chat(messages=messages), "r").param == "messages"
+
+
+def test_min_tokens_over_the_context_left_is_a_400() -> None:
+    e = error(preparer().completion, completion(prompt="a" * 60, min_tokens=10), "r")
+    assert e.status == 400 and e.param == "min_tokens"

@@ -63,9 +63,21 @@ class FakeDecode(pb_grpc.DecodeServicer):
         self.fail_salts: dict[str, grpc.StatusCode] = {}  # cache_salt -> error before the first token
         self.requests: list[pb.WorkerGenerateRequest] = []
         self.cancelled: list[str] = []
+        self.live: set[str] = set()  # request ids in flight: a second one is refused, as the engine does
 
     async def Generate(self, request: pb.WorkerGenerateRequest, context: Any):  # type: ignore[no-untyped-def]  # noqa: N802
         self.requests.append(request)
+        if request.request_id in self.live:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: {request.request_id!r} is already in the engine")
+        self.live.add(request.request_id)
+        try:
+            async for msg in self._generate(request, context):
+                yield msg
+        finally:
+            self.live.discard(request.request_id)
+
+    async def _generate(self, request: pb.WorkerGenerateRequest, context: Any):  # type: ignore[no-untyped-def]
         code = self.fail_salts.get(request.cache_salt)
         if code is not None:
             await context.abort(code, "max_tokens: fake refusal" if code == grpc.StatusCode.INVALID_ARGUMENT
@@ -138,7 +150,8 @@ class FakePrefill(pb_grpc.PrefillServicer):
 class Stack:
     """An event loop in a thread hosting the fake workers and the real frontend."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, **config: Any) -> None:
+        """config: FrontendConfig fields over the defaults below."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -150,15 +163,18 @@ class Stack:
             self.call(self._start_fake(fake))
         self.dead = f"127.0.0.1:{free_port()}"  # a decode worker that never answers
         self.port, self.grpc_port = free_port(), free_port()
-        self.config = FrontendConfig(
+        defaults: dict[str, Any] = dict(
             port=self.port, grpc_port=self.grpc_port, model=model_dir, served_model_name="fake-model",
             decode=(self.decodes[0].address, self.decodes[1].address, self.dead),
             prefill=(self.prefill.address,), local_prefill_threshold=THRESHOLD, worker_wait_seconds=0.5,
             load_interval_seconds=0.05, max_body_bytes=64 << 10, max_n=8, shutdown_grace_seconds=1.0,
             log_level="warning")
+        self.config = FrontendConfig(**{**defaults, **config})
         self.stop = self.call(self._event())
         self.frontend = asyncio.run_coroutine_threadsafe(serve(self.config, self.stop), self.loop)
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.config.tls_cert else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
 
     async def _event(self) -> asyncio.Event:
         return asyncio.Event()
@@ -176,12 +192,12 @@ class Stack:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 10) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def wait_healthy(self, timeout: float = 20) -> None:
+    def wait_healthy(self, timeout: float = 20, verify: Any = True) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert not self.frontend.done(), self.frontend.result()
             try:
-                r = httpx.get(f"{self.url}/health", timeout=1)
+                r = httpx.get(f"{self.url}/health", timeout=1, verify=verify)
                 if r.status_code == 200 and r.json()["healthy_decode_workers"] == 2:
                     return
             except httpx.TransportError:
