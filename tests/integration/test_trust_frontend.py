@@ -9,6 +9,7 @@ tokenized while /health keeps answering."""
 from __future__ import annotations
 
 import concurrent.futures
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from .procs import start_worker
 from .test_frontend import Frontend
 
 KEY_A, KEY_B = "sk-integration-a", "sk-integration-b"
-# Long enough for several full blocks; worded for this module alone, so no other test warmed it.
+# Long enough for several full blocks.
 LONG = ("Write a ship's log for a lighthouse keeper who counts the storms of one winter, "
         "the supply boats that came and the ones that did not, in plain short entries. ") * 3
 
@@ -64,8 +65,10 @@ def test_no_key_no_service(fe: Frontend) -> None:
 
 
 def test_tenants_never_share_prefix_blocks(fe: Frontend) -> None:
+    prompt = f"Log {uuid.uuid4().hex[:8]}. {LONG}"  # a prefix no run has cached yet
+
     def cached(key: str) -> int:
-        r = complete(fe, key, prompt=LONG, temperature=0)
+        r = complete(fe, key, prompt=prompt, temperature=0)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] >= 64  # several blocks, prefilled remotely
         return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
