@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_security_args(p: argparse.ArgumentParser) -> None:
     """The client-facing trust flags (`splitserve up` takes the same)."""
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; also "
-                        f"{API_KEY_ENV}, comma-separated); none: no authentication")
+                   help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable); better "
+                        f"{API_KEY_ENV}, comma-separated, which `ps` does not show; none: no authentication")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve REST and gRPC over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--cache-isolation", default="none", choices=["none", "tenant"],
