@@ -87,7 +87,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
                     pass
                 time.sleep(0.2)
         yield {"urls": [url for _, url in frontends], "redis": redis, "redis_port": redis_port,
-               "workers": workers, "prefill_ports": prefill_ports, "tmp": tmp}
+               "workers": workers, "prefill_ports": prefill_ports, "decode_port": decode_port, "tmp": tmp}
     finally:
         for r in redis:
             r.terminate()
@@ -297,7 +297,7 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
         routed = diff(per_worker(scrape(kv_url), "splitserve_worker_requests_routed_total"), before)
         assert routed[holder] == 0 and routed[other] == 3
 
-        restarted = start_prefill(holder, stack["tmp"], stack["prefill_ports"][holder])
+        restarted = start_prefill(holder, stack["tmp"], stack["prefill_ports"][holder], stack["decode_port"])
         stack["workers"][holder] = restarted
         restarted.wait_ready()
         deadline = time.monotonic() + 10
