@@ -16,6 +16,7 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import pb
 from services.convert import sampling_from_proto
 from services.frontend.errors import APIError, bad_request, from_value_error, model_not_found
+from services.frontend.guided import guided_decoding
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.frontend.tokenizer import ChatTemplateError, Tokenizer
 
@@ -83,9 +84,6 @@ class Preparer:
             raise bad_request("tools are not supported", "tools")
         if req.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported", "tool_choice")
-        fmt = req.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
         top = req.top_logprobs
         if top is not None and not (0 <= top <= MAX_LOGPROBS):
             raise bad_request(f"must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
@@ -162,8 +160,9 @@ class Preparer:
                 max_tokens_field: str | None = "max_tokens") -> SamplingParams:
         kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
         self._check_n(req.n)
+        guided = guided_decoding(req)
         try:
-            return SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens)
+            return SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens, guided=guided)
         except ValueError as e:
             err = from_value_error(e)
             if err.param == "max_tokens" and max_tokens_field and max_tokens_field != "max_tokens":

@@ -48,6 +48,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     disable_speculation: bool | None = None  # opt this request out of speculative decoding
+    # Structured output (services/frontend/guided.py checks them)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -66,7 +73,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
 
 
 Req = TypeVar("Req", bound=BaseModel)
