@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.frontend.tool_parsers import PARSERS
 from services.tracing import add_tracing_args
 
 
@@ -42,6 +43,7 @@ class FrontendConfig:
     request_timeout_seconds: float = 0.0
     discovery_interval_seconds: float = 1.0
     otlp_endpoint: str | None = None  # OTLP gRPC collector for traces; None: tracing off
+    tool_call_parser: str = "hermes"  # how tool calls are read out of chat output (tool_parsers.PARSERS)
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -65,6 +67,9 @@ class FrontendConfig:
             raise ValueError("load_interval: must be > 0")
         if self.discovery_interval_seconds <= 0:
             raise ValueError("discovery_interval: must be > 0")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @property
     def discover_workers(self) -> bool:
@@ -124,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=1,
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+                   help="how tool calls are read out of chat output: hermes (<tool_call>{json}</tool_call>, "
+                        "Hermes / Qwen) or llama3_json (Llama 3 JSON); default: %(default)s")
     add_tracing_args(p)
     return p
 
@@ -141,4 +149,5 @@ def parse_config(argv: Sequence[str] | None = None) -> FrontendConfig:
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
         max_requests_per_tenant=args.max_requests_per_tenant, request_timeout_seconds=args.request_timeout,
-        discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint)
+        discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint,
+        tool_call_parser=args.tool_call_parser)

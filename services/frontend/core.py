@@ -33,7 +33,8 @@ class Frontend:
         if hasattr(router, "observe_lookup"):
             router.observe_lookup = self.metrics.observe_lookup
         self.dispatcher = Dispatcher(pool, router, self.metrics, config.max_migrations)
-        self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len)
+        self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len,
+                                 config.tool_call_parser)
         self.admission = Admission(Limits(config.max_waiting_requests, config.max_waiting_prompt_tokens,
                                           config.max_requests_per_tenant))
         self.created = int(time.time())

@@ -8,10 +8,12 @@ context), sampling values, n, and max_tokens against the context left.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.guided_params import GuidedDecoding
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import pb
 from services.convert import sampling_from_proto
@@ -19,6 +21,8 @@ from services.frontend.errors import APIError, bad_request, from_value_error, mo
 from services.frontend.guided import guided_decoding
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.frontend.tokenizer import ChatTemplateError, Tokenizer
+from services.frontend.tool_parsers import make_parser
+from services.frontend.tools import ToolPlan, check_tools, forced_output, tool_plan, tools_in_messages
 
 # Request fields passed to SamplingParams as they are, when set.
 _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
@@ -48,6 +52,7 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # alternatives to report per token; None: no logprobs
+    tools: ToolPlan | None = None  # chat with tool calling: how to read calls out of the output
 
     @property
     def n(self) -> int:
@@ -56,8 +61,9 @@ class Plan:
 
 class Preparer:
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_n: int,
-                 max_model_len: Callable[[], int | None]) -> None:
+                 max_model_len: Callable[[], int | None], tool_call_parser: str = "hermes") -> None:
         self.tokenizer = tokenizer
+        self.tool_parser = make_parser(tool_call_parser)
         self.model_name = model_name
         self.max_n = max_n
         self._max_model_len = max_model_len
@@ -80,19 +86,20 @@ class Preparer:
 
     def chat(self, req: ChatCompletionRequest, request_id: str) -> Plan:
         self._check_common(req)
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
+        tools = check_tools(req.tools) if req.tools is not None else None
+        calling = tool_plan(tools, req.tool_choice, self.tool_parser)
+        shown = tools if calling is not None else None  # tool_choice none: the model does not see them
         top = req.top_logprobs
         if top is not None and not (0 <= top <= MAX_LOGPROBS):
             raise bad_request(f"must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
         if top and not req.logprobs:
             raise bad_request("needs logprobs set to true", "top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
-        messages = chat_messages(req.messages)
+        renders_tools = getattr(self.tokenizer, "renders_tools", False)
+        messages = tools_in_messages(chat_messages(req.messages), shown, self.tool_parser, renders_tools)
         try:
-            ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, **({"tools": shown} if renders_tools and shown else {}))
         except ChatTemplateError as e:
             raise from_value_error(e, "messages") from None
         max_tokens: int | None
@@ -101,8 +108,13 @@ class Preparer:
             max_tokens, explicit = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, explicit = req.max_tokens, "max_tokens" if req.max_tokens is not None else None
-        base = self._params(req, logprobs=logprobs, max_tokens=max_tokens, max_tokens_field=explicit)
-        return self._plan(request_id, req, [ids], base, explicit, None, "messages", logprobs)
+        forced = None
+        if calling is not None and tools is not None:
+            forced = forced_output(calling, tools, req.parallel_tool_calls is not False)
+        base = self._params(req, logprobs=logprobs, max_tokens=max_tokens, max_tokens_field=explicit,
+                            forced=forced)
+        plan = self._plan(request_id, req, [ids], base, explicit, None, "messages", logprobs)
+        return dataclasses.replace(plan, tools=calling)
 
     def grpc(self, req: pb.GenerateRequest, request_id: str) -> Plan:
         self.check_model(req.model)
@@ -157,10 +169,16 @@ class Preparer:
             raise bad_request(f"must be in [1, {self.max_n}], got {n}", "n")
 
     def _params(self, req: _SamplingFields, *, logprobs: int | None, max_tokens: int | None,
-                max_tokens_field: str | None = "max_tokens") -> SamplingParams:
+                max_tokens_field: str | None = "max_tokens",
+                forced: GuidedDecoding | None = None) -> SamplingParams:
+        """forced: the grammar tool_choice required / named imposes."""
         kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
         self._check_n(req.n)
         guided = guided_decoding(req)
+        if forced is not None and guided is not None:
+            raise bad_request("required or a named function cannot be combined with response_format "
+                              "or guided_*", "tool_choice")
+        guided = guided or forced
         try:
             return SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens, guided=guided)
         except ValueError as e:
@@ -230,7 +248,9 @@ class Preparer:
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI messages -> the {"role", "content": str} dicts chat templates expect."""
+    """OpenAI messages -> the {"role", "content": str, ...} dicts chat templates expect:
+    an assistant's tool_calls keep their shape, with arguments as objects (what
+    templates with tool support render); a tool result keeps its tool_call_id."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("must be a non-empty list of messages", "messages")
     out = []
@@ -245,7 +265,32 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                                "content": _content_text(m.get("content"), role, f"{where}.content")}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_request("is required for a tool message", f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    return out
+
+
+def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request("must be a list of tool calls", where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise bad_request('must be {"id", "type": "function", "function": {"name", "arguments"}}',
+                              f"{where}[{j}]")
+        try:
+            args: Any = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            args = fn["arguments"]  # rendered as the client sent it
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 

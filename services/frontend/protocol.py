@@ -71,8 +71,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: Any = None
+    tools: Any = None  # checked by services/frontend/tools.py
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 Req = TypeVar("Req", bound=BaseModel)

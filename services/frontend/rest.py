@@ -23,6 +23,7 @@ from services.frontend.prepare import Plan
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.frontend.results import Choice
 from services.frontend.runner import CLIENT_CLOSED, RequestRun
+from services.frontend.tools import ToolStream
 
 log = logging.getLogger("splitserve.frontend.rest")
 T = TypeVar("T")
@@ -201,8 +202,10 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
         return error_response(e)
     finally:
         run.close(status)
-    build = fmt.chat_response if chat else fmt.completion_response
-    return JSONResponse(build(env, results.choices, results.usage(), plan.logprobs))
+    if chat:
+        return JSONResponse(fmt.chat_response(env, results.choices, results.usage(), plan.logprobs,
+                                              plan.tools))
+    return JSONResponse(fmt.completion_response(env, results.choices, results.usage(), plan.logprobs))
 
 
 async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool) -> Response:
@@ -222,17 +225,19 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
         raise
     plan = run.plan
 
+    tool_streams = {c.index: ToolStream(plan.tools) for c in run.results.choices} if plan.tools else {}
+
     async def body() -> AsyncIterator[str]:
         status = CLIENT_CLOSED  # unless the stream completes or fails on the server
         try:
             if chat:
                 for c in run.results.choices:
                     yield fmt.sse(fmt.chat_role_chunk(env, c.index, plan.include_usage))
-            chunk = _chunk(env, plan, *first, chat)
+            chunk = _chunk(env, plan, *first, chat, tool_streams)
             if chunk:
                 yield chunk
             async for choice, event in events:
-                chunk = _chunk(env, plan, choice, event, chat)
+                chunk = _chunk(env, plan, choice, event, chat, tool_streams)
                 if chunk:
                     yield chunk
             if plan.include_usage:
@@ -251,8 +256,13 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
                              headers={"Cache-Control": "no-cache", "X-Request-Id": env.id})
 
 
-def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool) -> str | None:
+def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool,
+           tool_streams: dict[int, ToolStream]) -> str | None:
     msg = event.msg
+    if chat and plan.tools is not None:
+        chunks = fmt.chat_tool_chunks(env, event.index, msg, tool_streams[event.index], plan.logprobs,
+                                      plan.include_usage)
+        return "".join(fmt.sse(c) for c in chunks) or None
     if chat:
         if not (msg.text or msg.finish_reason or msg.logprobs):
             return None  # a token whose text is held back (stop-string prefix, partial UTF-8)
