@@ -63,15 +63,17 @@ def completion_logprobs(positions: Sequence[pb.TokenLogprobs], k: int, text_offs
             "text_offset": offsets}
 
 
-def completion_choice(c: Choice, logprobs: int | None) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text,
+def completion_choice(c: Choice, logprobs: int | None, echo: str = "") -> dict[str, Any]:
+    return {"index": c.index, "text": echo + c.text,
             "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, logprobs, 0),
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
 def completion_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
-                        logprobs: int | None) -> dict[str, Any]:
-    return env.wrap("text_completion", [completion_choice(c, logprobs) for c in choices],
+                        logprobs: int | None, echo: Sequence[str] | None = None) -> dict[str, Any]:
+    """echo: each prompt's text, put before its choices' text."""
+    return env.wrap("text_completion",
+                    [completion_choice(c, logprobs, echo[c.prompt_index] if echo else "") for c in choices],
                     usage=usage.to_openai(), system_fingerprint=None)
 
 

@@ -53,6 +53,7 @@ class Plan:
     include_usage: bool = False
     logprobs: int | None = None  # alternatives to report per token; None: no logprobs
     tools: ToolPlan | None = None  # chat with tool calling: how to read calls out of the output
+    echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its output
 
     @property
     def n(self) -> int:
@@ -72,8 +73,8 @@ class Preparer:
 
     def completion(self, req: CompletionRequest, request_id: str) -> Plan:
         self._check_common(req)
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -81,8 +82,14 @@ class Preparer:
         prompts = self.completion_prompts(req.prompt)
         base = self._params(req, logprobs=req.logprobs, max_tokens=req.max_tokens)
         explicit = "max_tokens" if req.max_tokens is not None else None
-        return self._plan(request_id, req, prompts, base, explicit, COMPLETION_DEFAULT_MAX_TOKENS,
+        plan = self._plan(request_id, req, prompts, base, explicit, COMPLETION_DEFAULT_MAX_TOKENS,
                           "prompt", req.logprobs)
+        if req.echo:
+            texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else (
+                [req.prompt] if isinstance(req.prompt, str) else
+                [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+            plan = dataclasses.replace(plan, echo=tuple(texts))
+        return plan
 
     def chat(self, req: ChatCompletionRequest, request_id: str) -> Plan:
         self._check_common(req)

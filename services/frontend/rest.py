@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from protos import pb
 from services.frontend import openai_format as fmt
+from services.frontend import tokenize_api as tok_api
 from services.frontend.core import Frontend
 from services.frontend.dispatch import Event
 from services.frontend.errors import APIError
@@ -70,6 +72,21 @@ def build_app(fe: Frontend) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fe.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        fe.preparer.check_model(model_id)  # 404 for any other name
+        return dict(fe.models()["data"][0])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, fe.config.max_body_bytes), tok_api.TokenizeRequest)
+        return tok_api.tokenize(fe.preparer, body, fe.pool.max_model_len())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, fe.config.max_body_bytes), tok_api.DetokenizeRequest)
+        return tok_api.detokenize(fe.preparer, body)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -205,7 +222,8 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
     if chat:
         return JSONResponse(fmt.chat_response(env, results.choices, results.usage(), plan.logprobs,
                                               plan.tools))
-    return JSONResponse(fmt.completion_response(env, results.choices, results.usage(), plan.logprobs))
+    return JSONResponse(fmt.completion_response(env, results.choices, results.usage(), plan.logprobs,
+                                                plan.echo))
 
 
 async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool) -> Response:
@@ -233,6 +251,10 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
             if chat:
                 for c in run.results.choices:
                     yield fmt.sse(fmt.chat_role_chunk(env, c.index, plan.include_usage))
+            elif plan.echo:
+                for c in run.results.choices:
+                    echo = pb.WorkerGenerateResponse(text=plan.echo[c.prompt_index])
+                    yield fmt.sse(fmt.completion_chunk(env, c.index, echo, None, 0, plan.include_usage))
             chunk = _chunk(env, plan, *first, chat, tool_streams)
             if chunk:
                 yield chunk
