@@ -90,7 +90,7 @@ def forced_output(plan: ToolPlan, tools: list[dict[str, Any]], parallel: bool) -
     params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if plan.mode == "named":
         assert plan.function is not None
-        return GuidedDecoding.json_schema(params[plan.function], "tools.function.parameters")
+        return _grammar(params[plan.function])
     if plan.mode != "required":
         return None
     one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
@@ -98,7 +98,14 @@ def forced_output(plan: ToolPlan, tools: list[dict[str, Any]], parallel: bool) -
     array: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
-    return GuidedDecoding.json_schema(array, "tools")
+    return _grammar(array)
+
+
+def _grammar(schema: dict[str, Any]) -> GuidedDecoding:
+    try:
+        return GuidedDecoding.json_schema(schema, "tools")
+    except ValueError as e:  # too large, say (each tool's schema was checked already)
+        raise bad_request(str(e).split(": ", 1)[-1], "tools") from None
 
 
 def tools_in_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

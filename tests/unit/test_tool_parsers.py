@@ -103,3 +103,13 @@ def test_history_for_a_template_without_tools() -> None:
     with pytest.raises(APIError) as e:
         chat_messages([{"role": "tool", "content": "42"}])
     assert e.value.param == "messages[0].tool_call_id"
+
+
+def test_a_grammar_too_large_for_the_tools_is_a_400() -> None:
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                            for i in range(200)}}
+    tools = check_tools([{"type": "function", "function": {"name": f"f{i}", "parameters": big}}
+                         for i in range(3)])
+    with pytest.raises(APIError) as e:
+        forced_output(ToolPlan("required", HERMES), tools, parallel=True)
+    assert e.value.status == 400 and e.value.param == "tools" and "characters" in e.value.message
