@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GrammarCompiler
 from engine.hashing import extra_keys
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -45,6 +46,8 @@ class LLMEngine:
         self.spec: SpeculativeDecoder | None = None
         if config.speculative.enabled:
             self.spec = make_speculative_decoder(config.speculative, self.runner, draft_dir)
+        # Structured output; xgrammar loads with the first request that has a grammar.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.model.seed)
         # Monotonic counters for metrics and tests.
         self.prompt_tokens_computed = 0
@@ -70,20 +73,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None, hold_blocks: bool = False) -> Request:
+                    arrival_time: float | None = None, hold_blocks: bool = False,
+                    num_resumed_tokens: int = 0) -> Request:
         """Validate and queue one request (params.n is handled by the caller).
         Raises ValueError naming the field; the engine state is untouched then.
         hold_blocks: keep the KV blocks after finishing until release()
-        (a prefill worker sends them first)."""
+        (a prefill worker sends them first).  num_resumed_tokens: the prompt's
+        last tokens are output this request generated elsewhere (it migrated);
+        its grammar resumes after them."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                arrival_time=arrival_time, hold_blocks=hold_blocks)
+                                arrival_time=arrival_time, hold_blocks=hold_blocks,
+                                num_resumed_tokens=num_resumed_tokens)
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         return req
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                      *, priority: int = 0, cache_salt: str | None = None,
-                     arrival_time: float | None = None, hold_blocks: bool = False) -> Request:
+                     arrival_time: float | None = None, hold_blocks: bool = False,
+                     num_resumed_tokens: int = 0) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         ids = self.tokenize(prompt)
@@ -96,20 +104,27 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if not 0 <= num_resumed_tokens < len(ids):
+            raise ValueError(f"num_resumed_tokens: {num_resumed_tokens} is not in [0, {len(ids)})")
+        grammar = None
+        if params.guided is not None:
+            grammar = self.grammars.matcher(params.guided, ids[len(ids) - num_resumed_tokens:])
         rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
         return Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                        priority=priority, arrival_time=arrival_time, rng=rng, hold_blocks=hold_blocks,
-                       extra_keys=extra_keys(self.model_id, cache_salt))
+                       extra_keys=extra_keys(self.model_id, cache_salt), grammar=grammar)
 
     # -- the split --------------------------------------------------------------
 
     def reserve_remote(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                       *, priority: int = 0, cache_salt: str | None = None) -> Request | None:
+                       *, priority: int = 0, cache_salt: str | None = None,
+                       num_resumed_tokens: int = 0) -> Request | None:
         """Decode worker: reserve blocks for a prompt whose KV a prefill worker
         will send.  None: no room now (nothing changed).  The request's block
         table is `self.kv.block_ids(request_id)`; blocks from
         num_computed_tokens // block_size on are the ones to fill."""
-        req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                num_resumed_tokens=num_resumed_tokens)
         if self.scheduler.reserve_remote(req) is None:
             return None
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)

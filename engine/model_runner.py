@@ -10,11 +10,13 @@ import math
 import mmap
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.model_inputs import Chunk, build_inputs
@@ -163,10 +165,16 @@ class ModelRunner:
         self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
                                     s.head_dim), self.dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
+        self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", model_dir.name, self.num_blocks,
                  self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._masker
 
     @property
     def block_bytes(self) -> int:
@@ -216,12 +224,18 @@ class ModelRunner:
         distributions [k, V] of drafts that were sampled (not one-hot)."""
         # Decodes and verifications first: the attention path batches them.
         seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.spec_token_ids))
-        logits = self.forward_logits(seqs)
         sampling = [s for s in seqs if s.sample]
+        # Grammar masks are filled on another thread while the forward runs.
+        masks = None
+        if any(s.request.grammar is not None for s in sampling):
+            masks = self._mask_pool().submit(fill_grammar_masks, sampling, self.spec.vocab_size)
+        logits = self.forward_logits(seqs)
         if not sampling:
             return {}
+        bitmasks = masks.result() if masks is not None else {}
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.rng, s.request.eos_token_ids) for s in sampling]
+                            s.request.rng, s.request.eos_token_ids,
+                            _first(bitmasks.get(s.request.request_id))) for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
             tokens = sample(logits, rows)
             return {s.request.request_id: [t] for s, t in zip(sampling, tokens, strict=True)}
@@ -230,9 +244,27 @@ class ModelRunner:
         for s, row in zip(sampling, rows, strict=True):
             q = probs.get(s.request.request_id)
             k = len(s.spec_token_ids)
-            items.append(VerifyItem(row, s.spec_token_ids, None if q is None or not k else q[:k]))
+            items.append(VerifyItem(row, s.spec_token_ids, None if q is None or not k else q[:k],
+                                    bitmasks.get(s.request.request_id)))
         emitted = rejection_sample(logits, items)
         return {s.request.request_id: toks for s, toks in zip(sampling, emitted, strict=True)}
+
+
+def fill_grammar_masks(seqs: Sequence[ScheduledSeq], vocab_size: int) -> dict[str, torch.Tensor]:
+    """-> per request with a grammar, [1 + drafts, W] bitmasks: the allowed
+    tokens after its last token and after each of its drafts."""
+    out = {}
+    for s in seqs:
+        grammar = s.request.grammar
+        if grammar is not None:
+            bm = allocate_bitmask(1 + len(s.spec_token_ids), vocab_size)
+            grammar.fill_with_drafts(bm, 0, s.spec_token_ids)
+            out[s.request.request_id] = bm
+    return out
+
+
+def _first(bitmask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bitmask is None else bitmask[0]
 
 
 def seq_chunk(seq: ScheduledSeq) -> Chunk:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+import logging
 import random
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from engine.hashing import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -44,7 +48,7 @@ class Request:
                  *, max_tokens: int, eos_token_ids: frozenset[int] = frozenset(),
                  priority: int = 0, arrival_time: float | None = None,
                  extra_keys: bytes = b"", rng: random.Random | None = None,
-                 hold_blocks: bool = False) -> None:
+                 hold_blocks: bool = False, grammar: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -68,6 +72,8 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding); the
         # scheduler consumes them, so they never outlive one step.
         self.spec_token_ids: list[int] = []
+        # Structured output: an engine.guided.Grammar that every output token advances.
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +90,9 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # The sampler only draws allowed tokens; this would be an engine bug.
+            log.error("request %s: token %d does not match its grammar", self.request_id, token_id)
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes to every full block of the known tokens."""

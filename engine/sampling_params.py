@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.guided_params import GuidedDecoding
+
 MAX_LOGPROBS = 20
 
 
@@ -50,6 +52,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Opt out of speculative decoding for this request.
     disable_speculation: bool = False
+    # Structured output: the output matches this grammar (JSON schema, regex, ...).
+    guided: GuidedDecoding | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -110,6 +114,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "disable_speculation"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
+               "must be a GuidedDecoding")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                    and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",

@@ -293,6 +293,9 @@ class Scheduler:
             if p.stop_token_ids and token_id in p.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.terminated:  # complete, even with ignore_eos
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.guided_params import GuidedDecoding
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 from protos import pb
@@ -26,7 +27,38 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.guided is not None:
+        msg.guided.CopyFrom(guided_to_proto(p.guided))
     return msg
+
+
+def guided_to_proto(g: GuidedDecoding) -> pb.GuidedDecoding:
+    if g.kind == "json":
+        return pb.GuidedDecoding(json_schema=g.spec)
+    if g.kind == "json_object":
+        return pb.GuidedDecoding(json_object=True)
+    if g.kind == "choice":
+        return pb.GuidedDecoding(choice=pb.GuidedDecoding.Choices(choices=g.choices))
+    if g.kind == "regex":
+        return pb.GuidedDecoding(regex=g.spec)
+    return pb.GuidedDecoding(grammar=g.spec)
+
+
+def guided_from_proto(msg: pb.GuidedDecoding) -> GuidedDecoding | None:
+    """Raises ValueError naming the field (sampling.guided.<kind>...)."""
+    which = msg.WhichOneof("spec")
+    field = f"sampling.guided.{which}"
+    if which is None:
+        return None
+    if which == "json_schema":
+        return GuidedDecoding.json_schema(msg.json_schema, field)
+    if which == "json_object":
+        return GuidedDecoding("json_object") if msg.json_object else None
+    if which == "regex":
+        return GuidedDecoding.regex(msg.regex, field)
+    if which == "choice":
+        return GuidedDecoding.choice(list(msg.choice.choices), f"{field}.choices")
+    return GuidedDecoding.grammar(msg.grammar, field)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -41,6 +73,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.logit_bias:
         kw["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("guided"):
+        kw["guided"] = guided_from_proto(msg.guided)
     return SamplingParams(**kw)
 
 

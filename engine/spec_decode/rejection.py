@@ -45,6 +45,8 @@ class VerifyItem:
     draft_token_ids: list[int]
     # [k, V]: the distributions the drafts were drawn from; None: one-hot (deterministic proposer)
     draft_probs: Tensor | None = None
+    # [k + 1, W] grammar masks after the last token and after each draft (structured output)
+    bitmasks: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -53,10 +55,14 @@ class VerifyItem:
 
 def position_rows(item: VerifyItem) -> list[SamplingRow]:
     """k + 1 sampling rows: row j sees drafts[:j] as already generated, so
-    penalties and min_tokens apply exactly as they would without speculation."""
+    penalties and min_tokens apply exactly as they would without speculation.
+    With a grammar, row j's mask is the one after drafts[:j]; a draft the
+    grammar refuses has p = 0 there, so it is always rejected."""
     r, drafts = item.row, item.draft_token_ids
     outputs = list(r.output_token_ids)
-    return [SamplingRow(r.params, r.prompt_token_ids, outputs + drafts[:j], r.rng, r.eos_token_ids)
+    masks = item.bitmasks
+    return [SamplingRow(r.params, r.prompt_token_ids, outputs + drafts[:j], r.rng, r.eos_token_ids,
+                        None if masks is None else masks[j])
             for j in range(item.num_rows)]
 
 

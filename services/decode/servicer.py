@@ -72,6 +72,12 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
+        resumed = request.resumed_output_tokens
+        if params.guided is not None:  # compile (or find cached) here, not on the engine thread
+            try:
+                await asyncio.to_thread(loop.engine.grammars.compile, params.guided)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         q = loop.open_stream(rid)
         finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold
@@ -97,7 +103,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 else:
                     self.stats.local_prefills += 1
                     await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
-                                                            cache_salt=request.cache_salt or None))
+                                                            cache_salt=request.cache_salt or None,
+                                                            num_resumed_tokens=resumed))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while True:
@@ -145,7 +152,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         while True:
             def reserve(e):  # type: ignore[no-untyped-def]
                 req = e.reserve_remote(rid, ids, params, priority=request.priority,
-                                       cache_salt=request.cache_salt or None)
+                                       cache_salt=request.cache_salt or None,
+                                       num_resumed_tokens=request.resumed_output_tokens)
                 return None if req is None else (e.kv.block_ids(rid), req.num_computed_tokens)
             got = await loop.call(reserve)
             if got is not None:
@@ -179,7 +187,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                                   priority=request.priority, cache_salt=request.cache_salt,
                                   kv_address=self.transport.address, dst_block_ids=block_ids,
                                   first_block=first_block, layout=layout_proto(loop.engine),
-                                  kv_token=token),
+                                  kv_token=token, resumed_output_tokens=request.resumed_output_tokens),
                 timeout=self.transfer_timeout, metadata=trace.metadata() if trace is not None else None)
             await asyncio.wait_for(landed, timeout=self.transfer_timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError, RuntimeError) as e:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.cluster_auth import add_cluster_token_arg, cluster_token
+from services.frontend.tool_parsers import PARSERS
 from services.tracing import add_tracing_args
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
@@ -60,6 +61,7 @@ class FrontendConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     cache_isolation: str = "none"  # none | tenant
+    tool_call_parser: str = "hermes"  # how tool calls are read out of chat output (tool_parsers.PARSERS)
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -89,6 +91,9 @@ class FrontendConfig:
         if self.max_prompt_chars < 0:
             raise ValueError("max_prompt_chars: must be >= 0 (0: 16 per token of the context)")
         check_security(self.api_keys, self.tls_cert, self.tls_key, self.cache_isolation)
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @property
     def discover_workers(self) -> bool:
@@ -176,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
     add_cluster_token_arg(p)
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+                   help="how tool calls are read out of chat output: hermes (<tool_call>{json}</tool_call>, "
+                        "Hermes / Qwen) or llama3_json (Llama 3 JSON); default: %(default)s")
     add_tracing_args(p)
     return p
 
@@ -208,4 +216,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         discovery_interval_seconds=args.discovery_interval, otlp_endpoint=args.otlp_endpoint,
         max_prompts=args.max_prompts, max_choices=args.max_choices, max_prompt_chars=args.max_prompt_chars,
         api_keys=api_keys(args.api_key, os.environ if env is None else env), tls_cert=args.tls_cert,
-        tls_key=args.tls_key, cache_isolation=args.cache_isolation, cluster_token=cluster_token(args))
+        tls_key=args.tls_key, cache_isolation=args.cache_isolation, cluster_token=cluster_token(args),
+        tool_call_parser=args.tool_call_parser)

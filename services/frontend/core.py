@@ -44,7 +44,8 @@ class Frontend:
         max_choices = min(config.max_choices, config.max_waiting_requests or config.max_choices)
         self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len,
                                  max_prompts=config.max_prompts, max_choices=max_choices,
-                                 max_prompt_chars=config.max_prompt_chars)
+                                 max_prompt_chars=config.max_prompt_chars,
+                                 tool_call_parser=config.tool_call_parser)
         self.admission = Admission(Limits(config.max_waiting_requests, config.max_waiting_prompt_tokens,
                                           config.max_requests_per_tenant))
         self.metrics.waiting.set_function(lambda: self.admission.waiting)

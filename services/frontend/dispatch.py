@@ -42,12 +42,14 @@ class Job:
     request_id: str
     priority: int
     cache_salt: str
+    resumed_tokens: int = 0  # the prompt's last tokens are this choice's output so far (a migration)
 
     def to_proto(self, prefill_address: str) -> pb.WorkerGenerateRequest:
         return pb.WorkerGenerateRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             sampling=sampling_to_proto(self.params), priority=self.priority,
-            cache_salt=self.cache_salt, prefill_address=prefill_address)
+            cache_salt=self.cache_salt, prefill_address=prefill_address,
+            resumed_output_tokens=self.resumed_tokens)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def resume(job: Job, relayed: list[int], migration: int) -> Job | None:
     Greedy output continues exactly as it would have.  Sampled output stays
     a valid sample, though not the undisturbed run's: the new worker's RNG
     starts from the seed again, and penalties count the relayed tokens as
-    prompt."""
+    prompt.  A grammar resumes after the relayed tokens (resumed_tokens)."""
     p = job.params
     n = len(relayed)
     if p.max_tokens is not None and p.max_tokens - n < 1:
@@ -85,7 +87,7 @@ def resume(job: Job, relayed: list[int], migration: int) -> Job | None:
     params = dataclasses.replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
                                  min_tokens=max(0, p.min_tokens - n))
     return dataclasses.replace(job, prompt_token_ids=[*job.prompt_token_ids, *relayed], params=params,
-                               request_id=f"{job.request_id}-m{migration}")
+                               request_id=f"{job.request_id}-m{migration}", resumed_tokens=n)
 
 
 class _WorkerFailed(Exception):

@@ -9,6 +9,7 @@ from typing import Any
 
 from protos import pb
 from services.frontend.results import Choice, Usage
+from services.frontend.tools import ToolPlan, ToolStream, extract_calls, openai_calls
 
 # JSON has no -inf; a token the model cannot produce reports this (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -62,15 +63,17 @@ def completion_logprobs(positions: Sequence[pb.TokenLogprobs], k: int, text_offs
             "text_offset": offsets}
 
 
-def completion_choice(c: Choice, logprobs: int | None) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text,
+def completion_choice(c: Choice, logprobs: int | None, echo: str = "") -> dict[str, Any]:
+    return {"index": c.index, "text": echo + c.text,
             "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, logprobs, 0),
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
 def completion_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
-                        logprobs: int | None) -> dict[str, Any]:
-    return env.wrap("text_completion", [completion_choice(c, logprobs) for c in choices],
+                        logprobs: int | None, echo: Sequence[str] | None = None) -> dict[str, Any]:
+    """echo: each prompt's text, put before its choices' text."""
+    return env.wrap("text_completion",
+                    [completion_choice(c, logprobs, echo[c.prompt_index] if echo else "") for c in choices],
                     usage=usage.to_openai(), system_fingerprint=None)
 
 
@@ -99,15 +102,22 @@ def chat_logprobs(positions: Sequence[pb.TokenLogprobs], k: int) -> dict[str, An
     return {"content": content, "refusal": None}
 
 
-def chat_choice(c: Choice, logprobs: int | None) -> dict[str, Any]:
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+def chat_choice(c: Choice, logprobs: int | None, tools: ToolPlan | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish_reason = c.finish_reason
+    if tools is not None:
+        content, calls = extract_calls(tools, c.text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": openai_calls(calls)}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": c.index, "message": message,
             "logprobs": None if logprobs is None else chat_logprobs(c.logprobs, logprobs),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
 def chat_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
-                  logprobs: int | None) -> dict[str, Any]:
-    return env.wrap("chat.completion", [chat_choice(c, logprobs) for c in choices],
+                  logprobs: int | None, tools: ToolPlan | None = None) -> dict[str, Any]:
+    return env.wrap("chat.completion", [chat_choice(c, logprobs, tools) for c in choices],
                     usage=usage.to_openai(), system_fingerprint=None)
 
 
@@ -124,6 +134,31 @@ def chat_chunk(env: Envelope, index: int, msg: pb.WorkerGenerateResponse, logpro
               "logprobs": None if logprobs is None else chat_logprobs(msg.logprobs, logprobs),
               "finish_reason": msg.finish_reason or None, "stop_reason": msg.stop_reason or None}
     return env.wrap("chat.completion.chunk", [choice], **({"usage": None} if include_usage else {}))
+
+
+def chat_tool_chunks(env: Envelope, index: int, msg: pb.WorkerGenerateResponse, stream: ToolStream,
+                     logprobs: int | None, include_usage: bool) -> list[dict[str, Any]]:
+    """A tool-calling choice's chunks for one worker message: the content that
+    may go out, and at the end the calls (each whole, in OpenAI's delta shape)
+    with finish_reason tool_calls."""
+    content = stream.push(msg.text)
+    calls: list[dict[str, Any]] = []
+    if msg.finish_reason:
+        rest, calls = stream.finish()
+        content += rest
+    extra = {"usage": None} if include_usage else {}
+    out = []
+    lp = None if logprobs is None else chat_logprobs(msg.logprobs, logprobs)
+    if content or (lp and not msg.finish_reason):
+        out.append(env.wrap("chat.completion.chunk", [{"index": index, "delta": {"content": content},
+                                                       "logprobs": lp, "finish_reason": None}], **extra))
+    if msg.finish_reason:
+        reason = "tool_calls" if calls and msg.finish_reason == "stop" else msg.finish_reason
+        delta = {"tool_calls": calls} if calls else {}
+        out.append(env.wrap("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": None,
+                                                       "finish_reason": reason,
+                                                       "stop_reason": msg.stop_reason or None}], **extra))
+    return out
 
 
 def usage_chunk(env: Envelope, obj: str, usage: Usage) -> dict[str, Any]:

@@ -12,16 +12,21 @@ before anything is tokenized, so that no request can cost much to refuse.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.guided_params import GuidedDecoding
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import pb
 from services.convert import sampling_from_proto
 from services.frontend.errors import APIError, bad_request, from_value_error, model_not_found
+from services.frontend.guided import guided_decoding
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.frontend.tokenizer import ChatTemplateError, Tokenizer
+from services.frontend.tool_parsers import make_parser
+from services.frontend.tools import ToolPlan, check_tools, forced_output, tool_plan, tools_in_messages
 
 # Request fields passed to SamplingParams as they are, when set.
 _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
@@ -58,6 +63,8 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # alternatives to report per token; None: no logprobs
+    tools: ToolPlan | None = None  # chat with tool calling: how to read calls out of the output
+    echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its output
 
     @property
     def n(self) -> int:
@@ -67,8 +74,9 @@ class Plan:
 class Preparer:
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_n: int,
                  max_model_len: Callable[[], int | None], *, max_prompts: int = 64, max_choices: int = 256,
-                 max_prompt_chars: int = 0) -> None:
+                 max_prompt_chars: int = 0, tool_call_parser: str = "hermes") -> None:
         self.tokenizer = tokenizer
+        self.tool_parser = make_parser(tool_call_parser)
         self.model_name = model_name
         self.max_n = max_n
         self.max_prompts = max_prompts
@@ -80,8 +88,8 @@ class Preparer:
 
     def completion(self, req: CompletionRequest, request_id: str) -> Plan:
         self._check_common(req)
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -92,18 +100,20 @@ class Preparer:
         base = self._params(req, logprobs=req.logprobs, max_tokens=req.max_tokens)
         prompts = [self._tokens(x, where, max_len) for where, x in inputs]
         explicit = "max_tokens" if req.max_tokens is not None else None
-        return self._plan(request_id, req, prompts, base, explicit, COMPLETION_DEFAULT_MAX_TOKENS,
+        plan = self._plan(request_id, req, prompts, base, explicit, COMPLETION_DEFAULT_MAX_TOKENS,
                           "prompt", req.logprobs)
+        if req.echo:
+            texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else (
+                [req.prompt] if isinstance(req.prompt, str) else
+                [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+            plan = dataclasses.replace(plan, echo=tuple(texts))
+        return plan
 
     def chat(self, req: ChatCompletionRequest, request_id: str) -> Plan:
         self._check_common(req)
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
-        fmt = req.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
+        tools = check_tools(req.tools) if req.tools is not None else None
+        calling = tool_plan(tools, req.tool_choice, self.tool_parser)
+        shown = tools if calling is not None else None  # tool_choice none: the model does not see them
         top = req.top_logprobs
         if top is not None and not (0 <= top <= MAX_LOGPROBS):
             raise bad_request(f"must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
@@ -120,12 +130,20 @@ class Preparer:
             max_tokens, explicit = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, explicit = req.max_tokens, "max_tokens" if req.max_tokens is not None else None
-        base = self._params(req, logprobs=logprobs, max_tokens=max_tokens, max_tokens_field=explicit)
+        forced = None
+        if calling is not None and tools is not None:
+            forced = forced_output(calling, tools, req.parallel_tool_calls is not False)
+        base = self._params(req, logprobs=logprobs, max_tokens=max_tokens, max_tokens_field=explicit,
+                            forced=forced)
+        renders_tools = getattr(self.tokenizer, "renders_tools", False)
+        messages = tools_in_messages(messages, shown, self.tool_parser, renders_tools)
         try:
-            ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, **({"tools": shown} if renders_tools and shown else {}))
         except ChatTemplateError as e:
             raise from_value_error(e, "messages") from None
-        return self._plan(request_id, req, [ids], base, explicit, None, "messages", logprobs)
+        plan = self._plan(request_id, req, [ids], base, explicit, None, "messages", logprobs)
+        return dataclasses.replace(plan, tools=calling)
 
     def grpc(self, req: pb.GenerateRequest, request_id: str) -> Plan:
         self.check_model(req.model)
@@ -249,10 +267,17 @@ class Preparer:
             raise bad_request(f"must be in [1, {self.max_n}], got {n}", "n")
 
     def _params(self, req: _SamplingFields, *, logprobs: int | None, max_tokens: int | None,
-                max_tokens_field: str | None = "max_tokens") -> SamplingParams:
+                max_tokens_field: str | None = "max_tokens",
+                forced: GuidedDecoding | None = None) -> SamplingParams:
+        """forced: the grammar tool_choice required / named imposes."""
         kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+        guided = guided_decoding(req)
+        if forced is not None and guided is not None:
+            raise bad_request("required or a named function cannot be combined with response_format "
+                              "or guided_*", "tool_choice")
+        guided = guided or forced
         try:
-            params = SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens)
+            params = SamplingParams(**kw, logprobs=logprobs, max_tokens=max_tokens, guided=guided)
         except ValueError as e:
             err = from_value_error(e)
             if err.param == "max_tokens" and max_tokens_field and max_tokens_field != "max_tokens":
@@ -315,7 +340,9 @@ class Preparer:
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI messages -> the {"role", "content": str} dicts chat templates expect."""
+    """OpenAI messages -> the {"role", "content": str, ...} dicts chat templates expect:
+    an assistant's tool_calls keep their shape, with arguments as objects (what
+    templates with tool support render); a tool result keeps its tool_call_id."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("must be a non-empty list of messages", "messages")
     out = []
@@ -330,7 +357,32 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                                "content": _content_text(m.get("content"), role, f"{where}.content")}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_request("is required for a tool message", f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    return out
+
+
+def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request("must be a list of tool calls", where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise bad_request('must be {"id", "type": "function", "function": {"name", "arguments"}}',
+                              f"{where}[{j}]")
+        try:
+            args: Any = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            args = fn["arguments"]  # rendered as the client sent it
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 

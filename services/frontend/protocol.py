@@ -48,6 +48,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     disable_speculation: bool | None = None  # opt this request out of speculative decoding
+    # Structured output (services/frontend/guided.py checks them)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -64,9 +71,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: Any = None
+    tools: Any = None  # checked by services/frontend/tools.py
     tool_choice: Any = None
-    response_format: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 Req = TypeVar("Req", bound=BaseModel)

@@ -20,7 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from protos import pb
 from services.frontend import openai_format as fmt
+from services.frontend import tokenize_api as tok_api
 from services.frontend.auth import Auth, Tenant
 from services.frontend.core import Frontend
 from services.frontend.dispatch import Event
@@ -29,6 +31,7 @@ from services.frontend.prepare import Plan
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.frontend.results import Choice
 from services.frontend.runner import CLIENT_CLOSED, RequestRun
+from services.frontend.tools import ToolStream
 
 log = logging.getLogger("splitserve.frontend.rest")
 T = TypeVar("T")
@@ -103,6 +106,21 @@ def build_app(fe: Frontend) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return fe.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        fe.preparer.check_model(model_id)  # 404 for any other name
+        return dict(fe.models()["data"][0])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, fe.config.max_body_bytes), tok_api.TokenizeRequest)
+        return await fe.off_loop(tok_api.tokenize, fe.preparer, body, fe.pool.max_model_len())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(await read_body(request, fe.config.max_body_bytes), tok_api.DetokenizeRequest)
+        return await fe.off_loop(tok_api.detokenize, fe.preparer, body)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -237,8 +255,11 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
         return error_response(e, headers)
     finally:
         run.close(status)
-    build = fmt.chat_response if chat else fmt.completion_response
-    return JSONResponse(build(env, results.choices, results.usage(), plan.logprobs), headers=headers)
+    if chat:
+        return JSONResponse(fmt.chat_response(env, results.choices, results.usage(), plan.logprobs,
+                                              plan.tools), headers=headers)
+    return JSONResponse(fmt.completion_response(env, results.choices, results.usage(), plan.logprobs,
+                                                plan.echo), headers=headers)
 
 
 async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool,
@@ -259,17 +280,23 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
         raise
     plan = run.plan
 
+    tool_streams = {c.index: ToolStream(plan.tools) for c in run.results.choices} if plan.tools else {}
+
     async def body() -> AsyncIterator[str]:
         status = CLIENT_CLOSED  # unless the stream completes or fails on the server
         try:
             if chat:
                 for c in run.results.choices:
                     yield fmt.sse(fmt.chat_role_chunk(env, c.index, plan.include_usage))
-            chunk = _chunk(env, plan, *first, chat)
+            elif plan.echo:
+                for c in run.results.choices:
+                    echo = pb.WorkerGenerateResponse(text=plan.echo[c.prompt_index])
+                    yield fmt.sse(fmt.completion_chunk(env, c.index, echo, None, 0, plan.include_usage))
+            chunk = _chunk(env, plan, *first, chat, tool_streams)
             if chunk:
                 yield chunk
             async for choice, event in events:
-                chunk = _chunk(env, plan, choice, event, chat)
+                chunk = _chunk(env, plan, choice, event, chat, tool_streams)
                 if chunk:
                     yield chunk
             if plan.include_usage:
@@ -288,8 +315,13 @@ async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bo
                              headers={"Cache-Control": "no-cache", **headers})
 
 
-def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool) -> str | None:
+def _chunk(env: fmt.Envelope, plan: Plan, choice: Choice, event: Event, chat: bool,
+           tool_streams: dict[int, ToolStream]) -> str | None:
     msg = event.msg
+    if chat and plan.tools is not None:
+        chunks = fmt.chat_tool_chunks(env, event.index, msg, tool_streams[event.index], plan.logprobs,
+                                      plan.include_usage)
+        return "".join(fmt.sse(c) for c in chunks) or None
     if chat:
         if not (msg.text or msg.finish_reason or msg.logprobs):
             return None  # a token whose text is held back (stop-string prefix, partial UTF-8)

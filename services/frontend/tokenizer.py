@@ -37,7 +37,10 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path))
         config = _read_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {k: _token_text(config[k]) for k in _SPECIAL_KEYS if config.get(k)}
-        self._template = _compile(_chat_template_source(model_dir, config))
+        source = _chat_template_source(model_dir, config)
+        self._template = _compile(source)
+        # Templates that render `tools` get them; others get a system message (services/frontend/tools.py).
+        self.renders_tools = source is not None and "tools" in source
         model_config = _read_json(model_dir / "config.json")
         # The model's vocabulary (embedding rows) may be larger than the tokenizer's.
         self.vocab_size = int(model_config.get("vocab_size") or self._tok.get_vocab_size(True))
@@ -56,20 +59,21 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("messages: this model has no chat template; use /v1/completions")
         try:
-            return str(self._template.render(messages=list(messages), tools=None, documents=None,
+            return str(self._template.render(messages=list(messages), tools=tools, documents=None,
                                              add_generation_prompt=add_generation_prompt,
                                              **self.special_tokens))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"messages: the chat template refused them: {e}") from e
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered text already holds the template's special tokens.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -74,6 +74,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
         ids = list(request.prompt_token_ids)
+        if params.guided is not None:  # compile (or find cached) here, not on the engine thread
+            try:
+                await asyncio.to_thread(loop.engine.grammars.compile, params.guided)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         trace = None
         if self.state.tracing.enabled:
             trace = PrefillTrace(self.state.tracing, context.invocation_metadata(),
@@ -86,7 +91,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             try:
                 await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
                                                         cache_salt=request.cache_salt or None,
-                                                        hold_blocks=True))
+                                                        hold_blocks=True,
+                                                        num_resumed_tokens=request.resumed_output_tokens))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()

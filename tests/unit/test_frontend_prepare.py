@@ -113,8 +113,9 @@ def test_chat_logprobs_and_unsupported_fields() -> None:
     assert prep.chat(chat(messages=msgs, logprobs=True), "r").logprobs == 0
     assert prep.chat(chat(messages=msgs), "r").logprobs is None
     for kw, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 30},
-                      "top_logprobs"), ({"tools": [{}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-                      ({"response_format": {"type": "json_object"}}, "response_format")):
+                      "top_logprobs"), ({"tools": [{}]}, "tools[0]"),
+                      ({"tool_choice": "auto"}, "tool_choice"),
+                      ({"response_format": {"type": "xml"}}, "response_format.type")):
         assert error(prep.chat, chat(messages=msgs, **kw), "r").param == param
     assert error(prep.chat, chat(messages=[{"role": "assistant", "content": "x"}]), "r").param == "messages"
 

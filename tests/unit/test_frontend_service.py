@@ -464,7 +464,7 @@ def test_bad_completion_requests(stack: Stack, body: Any, status: int, param: st
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
 ])
 def test_bad_chat_requests(stack: Stack, body: dict[str, Any], param: str) -> None:
     r = post(stack, "/v1/chat/completions", body)
