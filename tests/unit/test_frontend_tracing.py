@@ -18,8 +18,14 @@ from protos import pb_grpc
 from services.frontend.app import serve
 from services.frontend.config import FrontendConfig
 from tests.otlp_receiver import Receiver, one, serve_receiver, traceparent
-from tests.unit.test_frontend_service import (THRESHOLD, FakeDecode, FakePrefill, free_port, report_running,
-                                             tiny_model_dir)
+from tests.unit.test_frontend_service import (
+    THRESHOLD,
+    FakeDecode,
+    FakePrefill,
+    free_port,
+    report_running,
+    tiny_model_dir,
+)
 
 FE = "splitserve-frontend"
 
