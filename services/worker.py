@@ -279,7 +279,14 @@ def run_worker(args: argparse.Namespace, role: str,
         add_to_server(servicer, server)
         await serve(server, args, state, [service_name], [servicer.close, transport.close])
 
-    asyncio.run(amain())
+    try:
+        asyncio.run(amain())
+    except Exception:
+        # e.g. the gRPC port is taken.  The engine and UCX threads would keep a
+        # failed worker alive, unseen by whatever supervises it: exit for real.
+        log.exception("splitserve %s: failed", role)
+        logging.shutdown()
+        os._exit(1)
 
 
 async def drain(state: WorkerState, timeout: float) -> None:
