@@ -25,6 +25,7 @@ DEFAULT_TESTS = [
     "tests/integration/test_failover.py",
     "tests/integration/test_worker_faults.py",
     "tests/integration/test_up_supervise.py",
+    "tests/integration/test_chaos.py",
     "tests/integration/test_kvtransfer.py",
     "tests/integration/test_discovery.py",
     "tests/integration/test_prefix_index_redis.py",
