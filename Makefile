@@ -1,6 +1,6 @@
 PY ?= python3
 
-.PHONY: setup up test unit lint bench
+.PHONY: setup up test unit lint bench flaky
 
 setup:
 	bash scripts/setup.sh
@@ -10,6 +10,11 @@ up: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25 tests
+
+# The fault and timing-sensitive modules FLAKY_RUNS times (default 20), with a
+# per-test failure count at the end (FLAKY_TESTS: other pytest arguments).
+flaky:
+	$(PY) scripts/flaky.py
 
 unit:
 	$(PY) -m pytest -q tests/unit

@@ -1,6 +1,8 @@
 """`splitserve up`: the whole stack on one machine.  Starts N prefill and M
 decode workers, then the frontend, waits until all are healthy, prints the
-endpoints, and stops everything cleanly on Ctrl-C / SIGTERM."""
+endpoints, then supervises them (services/supervisor.py: a process that dies
+is restarted on the same ports; a crash loop stops the stack), and stops
+everything cleanly on Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import argparse
 import json
 import os
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
 from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
 from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, check_security
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
+from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
 from services.tracing import add_tracing_args
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "max_model_len",
@@ -51,18 +53,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Stack:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                               start_timeout_s=args.start_timeout)
+        self.supervisor = Supervisor(policy)
         self.tmp = Path(tempfile.mkdtemp(prefix="splitserve-"))
         # One secret per stack, in the children's environment (argv is world-readable in ps).
         self.env = {**os.environ, CLUSTER_TOKEN_ENV: cluster_token(args) or new_token()}
 
-    def _spawn(self, name: str, argv: list[str],
-               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        # New session: a Ctrl-C reaches us, and we stop the children in order.
-        proc = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True,
-                                env=self.env if env is None else {**self.env, **env})
-        self.procs.append((name, proc))
-        return proc
+    def _spawn(self, name: str, argv: list[str], ready_file: Path | None = None,
+               health_url: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        return self.supervisor.spawn(name, [sys.executable, "-m", *argv], ready_file, health_url,
+                                     env=self.env if env is None else {**self.env, **env})
 
     def _wait_ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -107,7 +108,7 @@ class Stack:
                 if role == "decode":
                     argv += ["--local-prefill-threshold", str(a.local_prefill_threshold),
                              "--kv-failure-policy", a.kv_failure_policy, *speculative_argv(a)]
-                pending.append((name, self._spawn(name, argv), ready))
+                pending.append((name, self._spawn(name, argv, ready_file=ready), ready))
         argv = ["services.frontend", "--host", a.host, "--port", str(a.port), "--grpc-port", str(a.grpc_port),
                 "--decode", ",".join(addrs["decode"]),
                 "--local-prefill-threshold", str(a.local_prefill_threshold), "--routing", a.routing]
@@ -120,10 +121,11 @@ class Stack:
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
         argv += frontend_security_argv(a)
-        frontend = self._spawn("frontend", argv, frontend_env(a, os.environ))
+        health_url = f"{rest_scheme(a)}://{a.host}:{a.port}/health"
+        frontend = self._spawn("frontend", argv, health_url=health_url, env=frontend_env(a, os.environ))
         for name, proc, ready in pending:
             self._wait_ready(name, proc, ready, a.start_timeout)
-        self._wait_http(frontend, f"{rest_scheme(a)}://{a.host}:{a.port}/health", a.start_timeout, a.prefill)
+        self._wait_http(frontend, health_url, a.start_timeout, a.prefill)
         return addrs
 
     def _wait_http(self, proc: subprocess.Popen[bytes], url: str, timeout: float, prefill: int) -> None:
@@ -133,7 +135,7 @@ class Stack:
             if proc.poll() is not None:
                 raise RuntimeError(f"frontend exited with {proc.returncode} during start-up")
             try:
-                with urllib.request.urlopen(url, timeout=1, context=_own_tls()) as r:
+                with urllib.request.urlopen(url, timeout=1, context=own_tls()) as r:
                     if r.status == 200 and json.load(r).get("healthy_prefill_workers", 0) >= prefill:
                         return
             except OSError:
@@ -142,20 +144,10 @@ class Stack:
         raise RuntimeError(f"frontend not healthy at {url} after {timeout:.0f} s")
 
     def stop(self) -> None:
-        # Frontend first (stops taking requests), then the workers.
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.supervisor.stop()
 
     def wait(self) -> int:
-        """Until a signal arrives or a process dies."""
+        """Supervise until a signal arrives (0) or a process keeps dying (1)."""
         stop = {"sig": 0}
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -164,10 +156,11 @@ class Stack:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         while not stop["sig"]:
-            for name, proc in self.procs:
-                if proc.poll() is not None:
-                    print(f"splitserve: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
-                    return 1
+            try:
+                self.supervisor.check()
+            except CrashLoop as e:
+                print(f"splitserve: {e}", file=sys.stderr, flush=True)
+                return 1
             time.sleep(0.2)
         return 0
 
@@ -191,15 +184,6 @@ def frontend_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[s
     return {**environ, API_KEY_ENV: ",".join(api_keys(args.api_key, environ))}
 
 
-def _own_tls() -> ssl.SSLContext:
-    """For polling our own frontend's /health: its certificate names the public
-    host, not the address polled, and may be self-signed."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
 def add_up_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
@@ -214,6 +198,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument("--start-timeout", type=float, default=300.0)
+    g.add_argument("--max-restarts", type=int, default=5,
+                   help="a process that dies is restarted (back-off 0.5 s, doubling to 30 s); one that "
+                        "dies more often than this within --restart-window stops the stack (crash loop)")
+    g.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --max-restarts")
     g.add_argument("--cpu-affinity", default="auto",
                    help="pin workers to cores: auto (each worker its own cores when there are enough; "
                         "1 prefill + 1 decode on 2 cores: cpu 0 and cpu 1), off, or e.g. "
@@ -227,6 +215,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     if args.decode < 1 or args.prefill < 0:
         print("splitserve: --decode must be >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if args.max_restarts < 0 or args.restart_window <= 0:
+        print("splitserve: --max-restarts must be >= 0 and --restart-window > 0", file=sys.stderr)
         return 2
     try:
         speculative_config_from_args(args)  # fail before starting anything

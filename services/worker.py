@@ -343,7 +343,14 @@ def run_worker(args: argparse.Namespace, role: str,
         on_stop = [servicer.close, transport.close, *([discovery.close] if discovery else [])]
         return await serve(server, args, state, [service_name], on_stop, token)
 
-    code = asyncio.run(amain())
+    try:
+        code = asyncio.run(amain())
+    except Exception:
+        # e.g. the gRPC port is taken.  The engine and UCX threads would keep a
+        # failed worker alive, unseen by whatever supervises it: exit for real.
+        log.exception("splitserve %s: failed", role)
+        logging.shutdown()
+        os._exit(1)
     if code:
         raise SystemExit(code)
 

@@ -2,7 +2,10 @@
 decode worker SIGKILLed while 8 streams run on it, and a rolling restart of
 both decode workers under steady load.  The frontend resumes cut streams on
 the other decode worker with the prompt plus the tokens already sent; every
-client gets a complete stream."""
+client gets a complete stream.  Issue 13: a decode worker SIGSTOPped (silent,
+not dead) mid-stream is left by the frontend's watchdog and frees its blocks
+once it runs again; one SIGKILLed while its requests wait on a remote prefill
+is retried elsewhere, and the prefill worker lets go of the transfer."""
 
 from __future__ import annotations
 
@@ -70,6 +73,25 @@ def start_named(name: str, tmp, ports: dict[str, int]) -> Proc:  # type: ignore[
                         "--drain-timeout", "20", *peer_flag(role, peers))
 
 
+def ensure_decode_workers(stack) -> None:  # type: ignore[no-untyped-def]
+    """Both decode workers running and seen healthy (a test before may have left one dead)."""
+    url, _, workers, ports, tmp, _ = stack
+    for name in ("d0", "d1"):
+        if workers[name].popen.poll() is not None:
+            workers[name] = start_named(name, tmp, ports[name])
+            workers[name].wait_ready()
+    wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
+
+
+def cluster(url: str) -> dict[str, dict[str, Any]]:
+    return {w["id"]: w for w in httpx.get(f"{url}/cluster", timeout=5).json()["workers"]}
+
+
+def frontend_counter(url: str, name: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name))
+
+
 def health(url: str) -> dict[str, Any]:
     try:
         return httpx.get(f"{url}/health", timeout=2).json()  # type: ignore[no-any-return]
@@ -91,9 +113,9 @@ def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unty
 class Stream(threading.Thread):
     """One streamed completion; collects token ids as they arrive."""
 
-    def __init__(self, grpc_address: str, prompt: str) -> None:
+    def __init__(self, grpc_address: str, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
-        self.address, self.prompt = grpc_address, prompt
+        self.address, self.prompt, self.max_tokens = grpc_address, prompt, max_tokens
         self.tokens: list[int] = []
         self.arrivals: list[float] = []  # monotonic time of each message
         self.finish_reason: str | None = None
@@ -101,7 +123,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            temperature=0, max_tokens=self.max_tokens, ignore_eos=True))
         try:
             with grpc.insecure_channel(self.address) as ch:
                 for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=120):
@@ -158,11 +180,7 @@ def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-unty
 
 def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignore[no-untyped-def]
     url, grpc_address, workers, ports, tmp, _ = stack
-    for name in ("d0", "d1"):  # the previous test may have left one dead
-        if workers[name].popen.poll() is not None:
-            workers[name] = start_named(name, tmp, ports)
-            workers[name].wait_ready()
-    wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
+    ensure_decode_workers(stack)  # the previous test may have left one dead
 
     stop = threading.Event()
     done: list[Stream] = []
@@ -209,11 +227,7 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     issue's full run is 300): a steady moderate load; after a warm-up quarter,
     every process's RSS stays within 10% and no request fails."""
     url, grpc_address, workers, ports, tmp, frontend = stack
-    for name in ("d0", "d1"):
-        if workers[name].popen.poll() is not None:
-            workers[name] = start_named(name, tmp, ports)
-            workers[name].wait_ready()
-    wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
+    ensure_decode_workers(stack)
     seconds = float(os.environ.get("SPLITSERVE_SOAK_SECONDS", "30"))
     pids = {"frontend": frontend.pid, **{n: w.popen.pid for n, w in workers.items()}}
     stop = threading.Event()
@@ -245,3 +259,84 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     assert len(done) >= seconds / 10  # a steady load really ran
     assert all(s.error is None and len(s.tokens) == MAX_TOKENS for s in done)
     assert all(g < 0.10 for g in growth.values()), growth
+
+
+def test_silent_decode_worker_mid_stream_is_left_and_frees_its_blocks(stack) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP (alive, silent: no tokens, no load reports) on the decode worker
+    a stream runs on: the frontend's watchdog gives up on it and resumes the
+    stream on the other worker; once it runs again it has aborted the request
+    and every block is back."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    max_tokens = 200  # long enough to be cut: the watchdog waits seconds before it gives up
+    reference = Stream(grpc_address, PROMPTS[5], max_tokens)
+    reference.run()
+    assert reference.error is None and len(reference.tokens) == max_tokens
+    migrated = frontend_counter(url, "splitserve_requests_migrated_total")
+
+    stream = Stream(grpc_address, PROMPTS[5], max_tokens)
+    stream.start()
+    carrying: list[str] = []  # the decode worker the stream runs on, by its own and the frontend's count
+
+    def running() -> bool:
+        carrying[:] = [n for n, w in cluster(url).items()
+                       if w["role"] == "decode" and w["inflight"] and w["running"]]
+        return bool(stream.tokens) and len(carrying) == 1
+
+    wait_until(running, 60, "the stream never ran")
+    victim = carrying[0]
+    workers[victim].popen.send_signal(signal.SIGSTOP)
+    try:
+        cut_at = len(stream.tokens)
+        stream.join(120)
+        assert cut_at < max_tokens
+        assert stream.error is None and stream.tokens == reference.tokens  # nothing lost or repeated
+        assert frontend_counter(url, "splitserve_requests_migrated_total") == migrated + 1
+        with open(f"/proc/{workers[victim].popen.pid}/status") as f:  # left while alive, not dead
+            assert "State:\tT (stopped)" in f.read()
+    finally:
+        workers[victim].popen.send_signal(signal.SIGCONT)
+    wait_until(lambda: (w := cluster(url)[victim])["health"] == "healthy" and w["running"] == 0
+               and w["free_blocks"] == w["total_blocks"], 30, f"{victim} kept the request or its blocks")
+
+
+def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack) -> None:  # type: ignore[no-untyped-def]
+    """Long prompts go through p0; the decode worker holding them is SIGKILLed
+    while none has its first token yet.  The frontend retries each on the other
+    decode worker (same tokens as undisturbed), and p0 ends with every block
+    free and no transfer pending."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    wait_until(lambda: health(url).get("healthy_prefill_workers") == 1, 30, "p0 is not up")
+    # New prompts (no worker has them cached), ~400 tokens each: seconds of prefill.
+    prompts = [f"Log {i}: " + LONG_PROMPT * 4 for i in range(4)]
+    retried = frontend_counter(url, "splitserve_worker_retries_total")
+    migrated = frontend_counter(url, "splitserve_requests_migrated_total")
+    streams = [Stream(grpc_address, p) for p in prompts]
+    for s in streams:
+        s.start()
+    # All four routed, none has its first token: each decode worker waits on p0.
+    wait_until(lambda: cluster(url)["p0"]["inflight"] == 4
+               and sum(w["inflight"] for n, w in cluster(url).items() if n != "p0") == 4,
+               60, "the prompts never reached the prefill worker together")
+    snapshot = cluster(url)
+    victim = max(("d0", "d1"), key=lambda n: snapshot[n]["inflight"])
+    workers[victim].kill(signal.SIGKILL)
+    in_prefill = snapshot[victim]["inflight"]
+    for s in streams:
+        s.join(180)
+    assert [s.error for s in streams] == [None] * 4
+    references = [Stream(grpc_address, p) for p in prompts]  # undisturbed, now (greedy: the same tokens)
+    for s in references:
+        s.run()
+    assert [s.tokens for s in streams] == [s.tokens for s in references]
+    assert all(len(s.tokens) == MAX_TOKENS for s in streams)
+    retries = frontend_counter(url, "splitserve_worker_retries_total") - retried
+    # Each of the victim's requests was retried (no token yet) or, if its first
+    # token came back in the instant before the kill, resumed.
+    assert retries >= 1
+    assert retries + frontend_counter(url, "splitserve_requests_migrated_total") - migrated == in_prefill
+    wait_until(lambda: (p0 := cluster(url)["p0"])["free_blocks"] == p0["total_blocks"]
+               and p0["kv_transfers_pending"] == 0 and p0["running"] == 0, 60,
+               "p0 kept blocks for the dead decode worker")
+    print(f"decode {victim} killed with {in_prefill} requests waiting on p0")

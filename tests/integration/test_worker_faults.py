@@ -1,11 +1,16 @@
 """Faults in the split (DESIGN.md invariants 3, 4, 6): a prefill worker killed
-with requests in flight, a transfer that times out, a request cancelled
-mid-transfer.  Every request still ends right; every block comes back."""
+with requests in flight (called directly and through the frontend), a transfer
+that times out, a request cancelled mid-transfer.  Every request still ends
+right; every block comes back."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -14,10 +19,12 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import address, free_port, peer_flag, start_worker
+from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [f"Request number {i}: describe the weather in a city you like, in detail. " * 3 for i in range(6)]
+# About 200 tokens each: four of them keep a prefill worker busy for a while.
+LONG = "Describe the harbour, the boats, the gulls and the people of a quiet town at dawn, in detail. " * 10
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +35,19 @@ def offline():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("faults")
-    ports = {name: free_port() for name in ("victim", "slow", "d0")}
-    d0 = peer_flag("prefill", [address(ports["d0"])])
+    # Fixed ports: each worker knows the other role's, and the victim restarts on its address.
+    ports = {name: free_port() for name in ("victim", "slow", "d0", "d1")}
+    decodes = peer_flag("prefill", [address(ports["d0"]), address(ports["d1"])])
     prefills = peer_flag("decode", [address(ports["victim"]), address(ports["slow"])])
     procs = {
-        "victim": start_worker("prefill", "victim", tmp, "--num-blocks", "128", "--grpc-port",
-                               str(ports["victim"]), *d0),
+        "victim": start_victim(tmp, ports["victim"], decodes),
         "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--fault-send-delay", "4",
-                             "--grpc-port", str(ports["slow"]), *d0),
+                             "--grpc-port", str(ports["slow"]), *decodes),
         "d0": start_worker("decode", "d0", tmp, "--num-blocks", "128", "--local-prefill-threshold", "8",
                            "--kv-transfer-timeout", "2", "--grpc-port", str(ports["d0"]), *prefills),
+        # No transfer times out here: its recomputes come from the kills alone.
+        "d1": start_worker("decode", "d1", tmp, "--num-blocks", "256", "--local-prefill-threshold", "8",
+                           "--kv-transfer-timeout", "120", "--grpc-port", str(ports["d1"]), *prefills),
     }
     try:
         for p in procs.values():
@@ -46,6 +56,10 @@ def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     finally:
         for p in procs.values():
             p.stop()
+
+
+def start_victim(tmp, port: int, decodes: list[str]) -> Proc:  # type: ignore[no-untyped-def]
+    return start_worker("prefill", "victim", tmp, "--num-blocks", "128", "--grpc-port", str(port), *decodes)
 
 
 def free_blocks(address: str, stub_cls) -> tuple[int, int]:  # type: ignore[no-untyped-def]
@@ -85,40 +99,141 @@ def test_transfer_timeout_recomputes(cluster, offline) -> None:  # type: ignore[
     assert wait_all_free(cluster["slow"].address, pb_grpc.PrefillStub, timeout=15)
 
 
-def test_cancel_mid_transfer_frees_both_sides(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+def first_report(address: str, stub_cls, cond, timeout: float = 60) -> pb.LoadReport:  # type: ignore[no-untyped-def]
+    """The first of `address`'s load reports for which `cond` holds."""
+    with grpc.insecure_channel(address) as ch:
+        for report in stub_cls(ch).WatchLoad(pb.LoadRequest(interval_seconds=0.05), timeout=timeout):
+            if cond(report):
+                return report  # type: ignore[no-any-return]
+    raise AssertionError(f"{address}: load stream ended")
+
+
+def test_cancel_while_the_kv_is_awaited_frees_both_sides(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    """Cancelled once the prompt is computed and the (slow) sender holds its
+    blocks while d1 awaits them: the sender stalls before its first byte
+    (cancels between UCX bytes are test_kvtransfer's)."""
     ids = offline.tokenizer.encode(PROMPTS[1])
-    with grpc.insecure_channel(cluster["d0"].address) as ch:
+    d1 = cluster["d1"].address  # its transfers never time out: the cancel is what ends this one
+    with grpc.insecure_channel(d1) as ch:
         req = pb.WorkerGenerateRequest(request_id="cancel-me", prompt_token_ids=ids,
                                        sampling=sampling_to_proto(GREEDY),
                                        prefill_address=cluster["slow"].address)
         call = pb_grpc.DecodeStub(ch).Generate(req, timeout=60)
-        time.sleep(1.5)  # the prefill is done and the slow sender is holding its blocks
+        first_report(cluster["slow"].address, pb_grpc.PrefillStub,  # computed, blocks held for the send
+                     lambda r: r.running == r.waiting == 0 and r.free_blocks < r.total_blocks)
+        assert first_report(d1, pb_grpc.DecodeStub, lambda r: True).kv_transfers_pending == 1
         call.cancel()
-    assert wait_all_free(cluster["d0"].address, pb_grpc.DecodeStub)
+    first_report(d1, pb_grpc.DecodeStub, lambda r: r.running == r.waiting == r.kv_transfers_pending == 0)
+    assert wait_all_free(d1, pb_grpc.DecodeStub)
     assert wait_all_free(cluster["slow"].address, pb_grpc.PrefillStub, timeout=15)
     # A later request on the same blocks is not corrupted.
     ids2 = offline.tokenizer.encode(PROMPTS[2])
     ref = offline.generate(ids2, GREEDY)[0].outputs[0].token_ids
-    assert run(cluster["d0"].address, "", "after-cancel", ids2) == ref
+    assert run(d1, "", "after-cancel", ids2) == ref
 
 
-def test_prefill_killed_with_requests_in_flight(cluster, offline) -> None:  # type: ignore[no-untyped-def]
-    prompts = [offline.tokenizer.encode(p) for p in PROMPTS[2:6]]
-    refs = [o.outputs[0].token_ids for o in offline.generate(prompts, GREEDY)]
+def decode_counters(address: str) -> dict[str, float]:
+    return dict(first_report(address, pb_grpc.DecodeStub, lambda r: True).counters)
+
+
+def kill_once_computing(victim: Proc, timeout: float = 120) -> pb.LoadReport:
+    """SIGKILL `victim` as soon as its own load report shows prompts being
+    computed (running, tokens still to compute); returns that report."""
+    report = first_report(victim.address, pb_grpc.PrefillStub,
+                          lambda r: r.running >= 1 and r.queued_prompt_tokens > 0, timeout)
+    victim.kill()
+    return report
+
+
+def run_and_kill(victim: Proc, decode: str, prompts: list[list[int]],
+                 call: Callable[[int], list[int]]) -> tuple[list[list[int] | Exception], pb.LoadReport,
+                                                            dict[str, float]]:
+    """The prompts at once through `call`; the victim killed mid-prefill.
+    Returns each call's tokens (or error), the victim's last report, and how
+    much the decode worker's transfer counters rose."""
+    before = decode_counters(decode)
     results: dict[int, list[int] | Exception] = {}
 
     def one(i: int) -> None:
         try:
-            results[i] = run(cluster["d0"].address, cluster["victim"].address, f"kill-{i}", prompts[i])
+            results[i] = call(i)
         except Exception as e:  # noqa: BLE001 - recorded and asserted below
             results[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    cluster["victim"].kill()
+    report = kill_once_computing(victim)
     for t in threads:
-        t.join(timeout=120)
-    assert [results[i] for i in range(len(prompts))] == refs
-    assert wait_all_free(cluster["d0"].address, pb_grpc.DecodeStub)
+        t.join(timeout=180)
+    after = decode_counters(decode)
+    rose = {k: after[k] - before.get(k, 0) for k in ("kv_transfer_recomputes", "remote_prefills")}
+    print(f"victim killed with {report.running} running, {report.waiting} waiting, "
+          f"{report.queued_prompt_tokens} prompt tokens to compute; decode counters rose {rose}")
+    return [results[i] for i in range(len(prompts))], report, rose
+
+
+def test_prefill_killed_with_requests_in_flight(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    prompts = [offline.tokenizer.encode(f"Request {i}: {LONG}") for i in range(4)]
+    refs = [o.outputs[0].token_ids for o in offline.generate(prompts, GREEDY)]
+    d1, victim = cluster["d1"].address, cluster["victim"]
+
+    results, _, rose = run_and_kill(victim, d1, prompts,
+                                    lambda i: run(d1, victim.address, f"kill-{i}", prompts[i]))
+    assert results == refs
+    assert rose["kv_transfer_recomputes"] >= 1  # the kill cut prefills short; d1 computed them itself
+    assert rose["kv_transfer_recomputes"] + rose["remote_prefills"] == len(prompts)
+    assert wait_all_free(d1, pb_grpc.DecodeStub)
+
+
+def test_prefill_killed_under_the_frontend(cluster, offline, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same through the frontend's routing: prompts over its local-prefill
+    threshold go to the (only) prefill worker, which dies computing them."""
+    victim = cluster["victim"]
+    if victim.popen.poll() is not None:  # killed by the test before: back on the same port
+        port = int(victim.address.rsplit(":", 1)[1])
+        decodes = peer_flag("prefill", [cluster["d0"].address, cluster["d1"].address])
+        victim = cluster["victim"] = start_victim(victim.ready.parent, port, decodes)
+        victim.wait_ready()
+    port, grpc_port = free_port(), free_port()
+    log = tmp_path / "frontend.log"
+    with open(log, "wb") as out:
+        frontend = subprocess.Popen(
+            [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port", str(grpc_port),
+             "--decode", cluster["d1"].address, "--prefill", victim.address,
+             "--local-prefill-threshold", "64", "--log-level", "warning"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(f"http://127.0.0.1:{port}/health"):
+            assert frontend.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        prompts = [offline.tokenizer.encode(f"Frontend request {i}: {LONG}") for i in range(4)]
+        assert min(len(p) for p in prompts) > 64
+        refs = [o.outputs[0].token_ids for o in offline.generate(prompts, GREEDY)]
+
+        def generate(i: int) -> list[int]:
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+                req = pb.GenerateRequest(model="SmolLM2-135M-Instruct", token_ids=pb.TokenIds(ids=prompts[i]),
+                                         sampling=pb.SamplingParams(temperature=0, max_tokens=8,
+                                                                    ignore_eos=True))
+                return [t for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=180) for t in r.token_ids]
+
+        results, _, rose = run_and_kill(victim, cluster["d1"].address, prompts, generate)
+        assert results == refs
+        assert rose["kv_transfer_recomputes"] >= 1
+        assert rose["kv_transfer_recomputes"] + rose["remote_prefills"] == len(prompts)  # all went remote
+        assert wait_all_free(cluster["d1"].address, pb_grpc.DecodeStub)
+    finally:
+        frontend.send_signal(signal.SIGTERM)
+        frontend.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        body = httpx.get(url, timeout=1).json()
+    except (httpx.TransportError, ValueError):
+        return False
+    return bool(body.get("healthy_prefill_workers") == 1 and body.get("healthy_decode_workers") == 1)
