@@ -186,8 +186,8 @@ class ModelRunner:
         if name == "triton" or (name == "auto" and self.device.type == "cuda"):
             from engine.layers.triton_attention import triton_paged_attention
 
-            def attn(q, k, v, cache, layer, meta, scale):  # type: ignore[no-untyped-def]
-                return triton_paged_attention(q, cache, layer, meta, scale)
+            def attn(q, k, v, cache, layer, meta, scale, /, *, window=None):  # type: ignore[no-untyped-def]
+                return triton_paged_attention(q, cache, layer, meta, scale, window)
             return attn
         return paged_attention
 

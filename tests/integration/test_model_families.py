@@ -1,27 +1,34 @@
-"""Any Hugging Face Llama-family directory loads: tiny random Llama (with
-Llama 3 rope scaling), Mistral and Qwen2 (qkv bias) models, saved with
-transformers, generate exactly what transformers generates from them."""
+"""Any supported Hugging Face family directory loads: tiny random Llama (with
+Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms; tied head;
+all attention biases) models, saved with transformers, generate exactly what
+transformers generates from them, with every step's logits within 1e-3."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.integration.test_hf_parity import LogitRecorder
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               tie_word_embeddings=False)
+NEW_TOKENS = 12
 
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),
     "mistral": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(rope_theta=10000.0)),
+    # head_dim apart from hidden / heads, as Qwen3 checkpoints have it; tied head.
+    "qwen3": ("Qwen3Config", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
+    "qwen3_bias": ("Qwen3Config", dict(rope_theta=10000.0, attention_bias=True)),
 }
 
 
@@ -29,13 +36,15 @@ def make_model(kind: str, out: Path, tokenizer_dir: Path) -> Path:
     import transformers
 
     cls_name, extra = FAMILIES[kind]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random biases, so a missed bias shows
+    with torch.no_grad():  # random biases and norm weights, so a missed one shows
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.normal_(1, 0.5)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -43,18 +52,41 @@ def make_model(kind: str, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(FAMILIES))
-def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+def reference(path: Path, prompt: list[int], **kw: Any) -> tuple[Any, list[int], torch.Tensor]:
+    """-> (the transformers model, its greedy tokens, its logits per step [N, V])."""
     import transformers
 
-    path = make_model(kind, tmp_path / kind, model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if kind == "qwen2":
-        assert hf.model.layers[0].self_attn.q_proj.bias is not None
-    prompt = list(range(1000, 1090))  # past original_max_position_embeddings: scaling matters
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False)[0, len(prompt):].tolist()
-    llm = LLM(model=str(path), dtype="float32", num_blocks=64, num_threads=2)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
-    assert out[0].outputs[0].token_ids == ref
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return hf, out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits])
+
+
+def check_engine(path: Path, prompt: list[int], tokens: list[int], logits: torch.Tensor,
+                 **kw: Any) -> None:
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64, num_threads=2, **kw)
+    rec = LogitRecorder(llm)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                              min_tokens=NEW_TOKENS))
+    assert out[0].outputs[0].token_ids == tokens
+    mine = torch.stack(rec.logits[f"{out[0].request_id}-0"])
+    assert mine.shape == logits.shape
+    diff = (mine - logits).abs().max().item()
+    assert diff < 1e-3, f"max abs logit difference {diff}"
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+    path = make_model(kind, tmp_path / kind, model_dir)
+    prompt = list(range(1000, 1090))  # past original_max_position_embeddings: scaling matters
+    hf, tokens, logits = reference(path, prompt)
+    attn = hf.model.layers[0].self_attn
+    if kind in ("qwen2", "qwen3_bias"):
+        assert attn.q_proj.bias is not None
+    if kind == "qwen3_bias":
+        assert attn.o_proj.bias is not None
+    if kind == "qwen3":
+        assert attn.q_proj.bias is None and attn.q_norm is not None
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    check_engine(path, prompt, tokens, logits)
