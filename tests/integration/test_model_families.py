@@ -1,7 +1,9 @@
 """Any supported Hugging Face family directory loads: tiny random Llama (with
 Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms; tied head;
-all attention biases) models, saved with transformers, generate exactly what
-transformers generates from them, with every step's logits within 1e-3."""
+all attention biases), Phi-3 (fused checkpoint, partial rope) models, and
+Mistral and Phi-3 with a sliding window shorter than the prompt, saved with
+transformers, generate exactly what transformers generates from them, with
+every step's logits within 1e-3, before and after a prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -29,7 +31,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim apart from hidden / heads, as Qwen3 checkpoints have it; tied head.
     "qwen3": ("Qwen3Config", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
     "qwen3_bias": ("Qwen3Config", dict(rope_theta=10000.0, attention_bias=True)),
+    # Fused qkv_proj / gate_up_proj in the checkpoint, rope on half of each head.
+    "phi3": ("Phi3Config", dict(rope_theta=10000.0, partial_rotary_factor=0.5, pad_token_id=0)),
+    # The prompt (90) and the decodes run past the window: it must be honoured.
+    "mistral_window": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=24)),
+    "phi3_window": ("Phi3Config", dict(rope_theta=10000.0, sliding_window=40, pad_token_id=0)),
 }
+WINDOWED = ("mistral_window", "phi3_window")
 
 
 def make_model(kind: str, out: Path, tokenizer_dir: Path) -> Path:
@@ -65,22 +73,27 @@ def reference(path: Path, prompt: list[int], **kw: Any) -> tuple[Any, list[int],
 
 def check_engine(path: Path, prompt: list[int], tokens: list[int], logits: torch.Tensor,
                  **kw: Any) -> None:
+    """Twice: the second run's prompt prefills after a prefix-cache hit, so
+    the new tokens attend to cached keys."""
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, num_threads=2, **kw)
     rec = LogitRecorder(llm)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                              min_tokens=NEW_TOKENS))
-    assert out[0].outputs[0].token_ids == tokens
-    mine = torch.stack(rec.logits[f"{out[0].request_id}-0"])
-    assert mine.shape == logits.shape
-    diff = (mine - logits).abs().max().item()
-    assert diff < 1e-3, f"max abs logit difference {diff}"
+    for run in range(2):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                  min_tokens=NEW_TOKENS))
+        assert out[0].outputs[0].token_ids == tokens
+        assert (out[0].num_cached_tokens > 0) == (run == 1)
+        mine = torch.stack(rec.logits[f"{out[0].request_id}-0"])
+        assert mine.shape == logits.shape
+        diff = (mine - logits).abs().max().item()
+        assert diff < 1e-3, f"max abs logit difference {diff}"
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILIES))
 def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
     path = make_model(kind, tmp_path / kind, model_dir)
     prompt = list(range(1000, 1090))  # past original_max_position_embeddings: scaling matters
-    hf, tokens, logits = reference(path, prompt)
+    # Eager attention: transformers' own sliding-window mask, written out.
+    hf, tokens, logits = reference(path, prompt, attn_implementation="eager")
     attn = hf.model.layers[0].self_attn
     if kind in ("qwen2", "qwen3_bias"):
         assert attn.q_proj.bias is not None
@@ -89,4 +102,10 @@ def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type
     if kind == "qwen3":
         assert attn.q_proj.bias is None and attn.q_norm is not None
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    if kind == "phi3":
+        assert hf.model.layers[0].self_attn.qkv_proj is not None
+    if kind in WINDOWED:  # the window changes the answer: the test can tell it was honoured
+        _, full_tokens, full_logits = reference(path, prompt, attn_implementation="eager",
+                                                sliding_window=None)
+        assert (full_logits - logits).abs().max().item() > 1e-2
     check_engine(path, prompt, tokens, logits)
