@@ -62,16 +62,26 @@ def inv_freq(spec: LlamaSpec) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """gemma: scales by (1 + weight), in float32 before the cast back (as
+    transformers' Gemma norms do); otherwise by weight, after it (Llama)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In float32, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+ACTIVATION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,12 +166,17 @@ class LlamaLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=spec.o_bias)
         self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
-        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        g, eps = spec.gemma_norms, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, g)
+        # Llama: the MLP's input norm; Gemma: the attention output's (the MLP has its own).
+        self.post_attention_layernorm = RMSNorm(h, eps, g)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, g) if g else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, g) if g else None
+        self.q_norm = RMSNorm(d, eps, g) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, eps, g) if spec.qk_norm else None
+        self.act = ACTIVATION[spec.hidden_act]
         self.window = spec.window(layer_idx)
-        self.scale = d ** -0.5
+        self.scale = spec.attn_scale
         self.fused: ModuleType | None = None  # the CPU kernels' fused small ops, set by pack_linears
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -177,10 +192,15 @@ class LlamaLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, s.num_kv_heads, s.head_dim)
         write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
-        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+        o = self.o_proj(attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window,
+                             softcap=s.attn_softcap).reshape(t, self.q_size))
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            x = x + self.post_attention_layernorm(o)
+            gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
+            return x + self.post_feedforward_layernorm(self.down_proj(self.act(gate) * up))
+        x = x + o
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(self.act(gate) * up)
 
     def _forward_fused(self, f: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
@@ -207,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.fused: ModuleType | None = None  # set by pack_linears
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -217,26 +237,37 @@ class LlamaForCausalLM(nn.Module):
         # torch's reference-op imports, seconds of start-up).
         with torch.device("cpu"):
             self.inv_freq = inv_freq(spec)
+            # The sliding-window layers' own rope (Gemma 3), or None.
+            self.local_inv_freq = None if spec.local_rope_theta is None else inv_freq(
+                replace(spec, rope_theta=spec.local_rope_theta, rope_scaling=None))
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    @staticmethod
+    def rope(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]  # [T, R/2]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        if self.spec.gemma_norms:  # Gemma scales the embedding, rounded to the model's dtype
+            x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
+        rope = self.rope(self.inv_freq, positions, x.dtype)
+        local = rope if self.local_inv_freq is None else self.rope(self.local_inv_freq, positions, x.dtype)
         for layer in self.layers:
+            cos, sin = local if cast(LlamaLayer, layer).window is not None else rope
             x = layer(x, cos, sin, kv_cache, meta, attn)
         if self.fused is not None:
             return self.fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def linear_names(self) -> list[str]:
         """The layers pack_linears swaps, by attribute path."""
@@ -253,9 +284,11 @@ class LlamaForCausalLM(nn.Module):
             if panels is not None:
                 packed, q4 = panels[path], panels.get(f"{path}#q4")
             setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+        if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
+            return
         self.fused = kernel
-        for layer in self.layers:  # the fused rope rotates whole heads: partial rope takes the plain path
-            cast(LlamaLayer, layer).fused = kernel if self.spec.rope_dim == self.spec.head_dim else None
+        for layer in self.layers:
+            cast(LlamaLayer, layer).fused = kernel
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -281,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
         draft.norm = self.norm
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
+        draft.local_inv_freq = self.local_inv_freq
         return draft.eval()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False) -> None:
@@ -336,8 +370,11 @@ class LlamaForCausalLM(nn.Module):
                 put(mine + "k_norm.weight", get(a + "k_norm.weight"))
             put(mine + "o_proj.weight", get(a + "o_proj.weight"))
             put(mine + "down_proj.weight", get(p + "mlp.down_proj.weight"))
-            put(mine + "input_layernorm.weight", get(p + "input_layernorm.weight"))
-            put(mine + "post_attention_layernorm.weight", get(p + "post_attention_layernorm.weight"))
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if spec.gemma_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                put(mine + f"{norm}.weight", get(p + f"{norm}.weight"))
         missing = set(own) - loaded
         if missing:
             raise ValueError(f"model: weights missing for {sorted(missing)[:5]}")

@@ -1,7 +1,8 @@
 """Any supported Hugging Face family directory loads: tiny random Llama (with
 Llama 3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms; tied head;
 all attention biases), Phi-3 (fused checkpoint, partial rope) models, and
-Mistral and Phi-3 with a sliding window shorter than the prompt, saved with
+Mistral and Phi-3 with a sliding window shorter than the prompt, Gemma 2
+(soft caps) and Gemma 3 (q/k norms, local rope), saved with
 transformers, generate exactly what transformers generates from them, with
 every step's logits within 1e-3, before and after a prefix-cache hit."""
 
@@ -21,6 +22,8 @@ COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               tie_word_embeddings=False)
 NEW_TOKENS = 12
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, tie_word_embeddings=True,
+             layer_types=["sliding_attention", "full_attention"])
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling=dict(
@@ -36,8 +39,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # The prompt (90) and the decodes run past the window: it must be honoured.
     "mistral_window": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=24)),
     "phi3_window": ("Phi3Config", dict(rope_theta=10000.0, sliding_window=40, pad_token_id=0)),
+    # Alternating sliding / full layers, (1 + w) norms, sandwich norms, GELU,
+    # query_pre_attn_scalar apart from head_dim; soft caps small enough to bite.
+    "gemma2": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=0.05, final_logit_softcapping=0.2)),
+    # q/k norms; sliding layers with their own rope base, full ones with linear scaling.
+    "gemma3": ("Gemma3TextConfig", dict(GEMMA, rope_parameters=dict(
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0)))),
 }
-WINDOWED = ("mistral_window", "phi3_window")
+# Config changes that must change transformers' answer, so that matching it
+# shows the feature was honoured.
+MATTERS: dict[str, list[dict[str, Any]]] = {
+    "mistral_window": [dict(sliding_window=None)],
+    "phi3_window": [dict(sliding_window=None)],
+    "gemma2": [dict(sliding_window=4096), dict(attn_logit_softcapping=None),
+               dict(final_logit_softcapping=None)],
+    "gemma3": [dict(sliding_window=4096), dict(rope_parameters=dict(  # one rope for all layers
+        sliding_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+        full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0)))],
+}
 
 
 def make_model(kind: str, out: Path, tokenizer_dir: Path) -> Path:
@@ -104,8 +124,7 @@ def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     if kind == "phi3":
         assert hf.model.layers[0].self_attn.qkv_proj is not None
-    if kind in WINDOWED:  # the window changes the answer: the test can tell it was honoured
-        _, full_tokens, full_logits = reference(path, prompt, attn_implementation="eager",
-                                                sliding_window=None)
-        assert (full_logits - logits).abs().max().item() > 1e-2
+    for change in MATTERS.get(kind, []):
+        _, _, other = reference(path, prompt, attn_implementation="eager", **change)
+        assert (other - logits).abs().max().item() > 1e-2, change
     check_engine(path, prompt, tokens, logits)

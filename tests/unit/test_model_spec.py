@@ -57,3 +57,24 @@ def test_refusals_name_the_field() -> None:
         spec(model_type="gpt2")
     with pytest.raises(ValueError, match="sliding_window"):
         spec(model_type="mistral", sliding_window=-4)
+
+
+def test_gemma_configs_saved_before_layer_types() -> None:
+    """Older config.json files: the window pattern and local rope base by name."""
+    g2 = spec(model_type="gemma2", sliding_window=16, query_pre_attn_scalar=24,
+              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+              hidden_activation="gelu_pytorch_tanh")
+    assert [g2.window(i) for i in range(4)] == [16, None, 16, None]
+    assert g2.gemma_norms and not g2.fusable and g2.attn_scale == 24 ** -0.5
+    assert (g2.attn_softcap, g2.final_softcap, g2.local_rope_theta) == (50.0, 30.0, None)
+    g3 = spec(model_type="gemma3_text", sliding_window=16, sliding_window_pattern=3,
+              query_pre_attn_scalar=16, rope_theta=1e6, rope_local_base_freq=1e4,
+              rope_scaling=dict(rope_type="linear", factor=8.0), hidden_activation="gelu_pytorch_tanh")
+    assert [g3.window(i) for i in range(4)] == [16, 16, None, 16]
+    assert g3.qk_norm and g3.rope_theta == 1e6 and g3.local_rope_theta == 1e4
+    assert g3.rope_scaling is not None and g3.rope_scaling["factor"] == 8.0
+
+
+def test_unknown_activation_is_refused() -> None:
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        spec(model_type="llama", hidden_act="relu")
