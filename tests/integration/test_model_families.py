@@ -128,3 +128,20 @@ def test_family_matches_transformers(kind, tmp_path, model_dir) -> None:  # type
         _, _, other = reference(path, prompt, attn_implementation="eager", **change)
         assert (other - logits).abs().max().item() > 1e-2, change
     check_engine(path, prompt, tokens, logits)
+
+
+@pytest.mark.parametrize("kind", ["mistral_window", "gemma3"])
+def test_family_split_matches_transformers(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Across the split (prefill engine -> copied blocks -> decode engine), a
+    windowed family still generates transformers' greedy tokens."""
+    from tests.integration.test_engine_split import remote_generate
+
+    path = make_model(kind, tmp_path / kind, model_dir)
+    prefill, decode = (LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8,
+                           num_threads=2).engine for _ in range(2))
+    prompt = " ".join(f"item {i} of the list is {i * 7 % 13}" for i in range(12))  # past the window
+    ids = decode.tokenize(prompt)
+    assert len(ids) > 2 * GEMMA["sliding_window"]  # type: ignore[operator]
+    _, tokens, _ = reference(path, ids, attn_implementation="eager")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    assert remote_generate(prefill, decode, "split", prompt, params) == tokens
