@@ -145,3 +145,13 @@ def test_family_split_matches_transformers(kind, tmp_path, model_dir) -> None:  
     _, tokens, _ = reference(path, ids, attn_implementation="eager")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     assert remote_generate(prefill, decode, "split", prompt, params) == tokens
+
+
+@pytest.mark.parametrize("kind", ["mistral_window", "gemma2"])
+def test_family_triton_backend(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The Triton backend (the interpreter on CPUs) honours the window too;
+    soft-capped attention (Gemma 2) falls back to the torch path there."""
+    path = make_model(kind, tmp_path / kind, model_dir)
+    prompt = list(range(1000, 1090))
+    _, tokens, logits = reference(path, prompt, attn_implementation="eager")
+    check_engine(path, prompt, tokens, logits, attention_backend="triton")
