@@ -194,8 +194,10 @@ class ModelRunner:
         if name == "triton" or (name == "auto" and self.device.type == "cuda"):
             from engine.layers.triton_attention import triton_paged_attention
 
-            def attn(q, k, v, cache, layer, meta, scale):  # type: ignore[no-untyped-def]
-                return triton_paged_attention(q, cache, layer, meta, scale)
+            def attn(q, k, v, cache, layer, meta, scale, /, *, window=None, softcap=None):  # type: ignore[no-untyped-def]
+                if softcap is not None:  # the kernel has no soft cap (Gemma 2): the torch path
+                    return paged_attention(q, k, v, cache, layer, meta, scale, window=window, softcap=softcap)
+                return triton_paged_attention(q, cache, layer, meta, scale, window)
             return attn
         return paged_attention
 

@@ -9,12 +9,16 @@ A step's query tokens are the concatenation of every scheduled sequence's new
 tokens. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; its
 keys are positions 0..seq_lens[i]-1 (cached prefix + new tokens), and query j
 of a sequence with q_len new tokens sits at position seq_len - q_len + j and
-sees keys 0..that position (causal). Decodes (q_len == 1) come first.
+sees keys 0..that position (causal), or with a sliding window W only the last
+W of them, position - W + 1..position (Mistral, Gemma's local layers; as
+transformers masks them). With a soft cap C (Gemma 2) scores s become
+C * tanh(s / C) before the softmax. Decodes (q_len == 1) come first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,43 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+class AttentionFn(Protocol):
+    """An attention backend.  q: [T, Hq, D]; k, v: [T, Hkv, D], this step's
+    keys, already in kv_cache.  Returns [T, Hq, D].  window: see the module doc."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 layer: int, meta: AttentionMetadata, scale: float, /, *,
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q_pos: [Q], k_pos: [K] -> [Q, K] bool: which keys each query attends to."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float, softcap: float | None) -> torch.Tensor:
+    """q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D]; mask broadcasts to [B, 1, Lq, Lk]
+    (None: causal, Lq == Lk).  SDPA has no soft cap, so capped scores are
+    written out (in float32, as transformers' eager attention does)."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        lq = q.shape[2]
+        mask = torch.ones(lq, lq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -60,17 +101,20 @@ def _gather(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scale: float, use_kernel: bool = True) -> torch.Tensor:
+                    scale: float, use_kernel: bool = True, *, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Torch path.  q: [T, Hq, D]; k_new, v_new: [T, Hkv, D] (already written
     to the cache).  Returns [T, Hq, D].  On the CPU, decodes go through the
-    compiled kernel when it built (reads the cache in place, no padding)."""
+    compiled kernel when it built (reads the cache in place, no padding) and
+    the scores are not soft-capped."""
     out = torch.empty_like(q)
     block_size = kv_cache.shape[3]
     nd = meta.num_decodes
-    kernel = load_cpu_kernel() if use_kernel and q.device.type == "cpu" and nd else None
+    on_cpu = use_kernel and q.device.type == "cpu" and softcap is None
+    kernel = load_cpu_kernel() if on_cpu and nd else None
     if kernel is not None:
         out[:nd] = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd],
-                                                 meta.seq_lens[:nd], scale)
+                                                 meta.seq_lens[:nd], scale, window or 0)
     elif nd:
         # All decodes in one padded SDPA call.
         max_len = max(meta.seq_lens_host[:nd])
@@ -78,30 +122,27 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb])
         key_pos = torch.arange(nb * block_size, device=q.device)
         mask = key_pos[None, :] < meta.seq_lens[:nd, None]  # [Bd, L]
+        if window is not None:
+            mask &= key_pos[None, :] >= meta.seq_lens[:nd, None] - window
         qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = attend(qd, k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens[i], meta.seq_lens_host[i]
         end = start + q_len
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        if q_len == seq_len:
-            # No cached prefix: the new keys are the whole context.
+        if q_len == seq_len and (window is None or q_len <= window):
+            # No cached prefix: the new keys are the whole context, all in sight.
             ki = k_new[start:end].transpose(0, 1).unsqueeze(0)
             vi = v_new[start:end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            o = attend(qi, ki, vi, None, scale, softcap)
         else:
             nb = (seq_len + block_size - 1) // block_size
             ki, vi = _gather(kv_cache, layer, meta.block_tables[i:i + 1, :nb])
             ki, vi = ki[:, :, :seq_len], vi[:, :, :seq_len]
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+            mask = visible(q_pos, torch.arange(seq_len, device=q.device), window)  # [q_len, seq_len]
+            o = attend(qi, ki, vi, mask, scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
         start = end
     return out

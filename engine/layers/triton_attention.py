@@ -8,7 +8,9 @@ BLOCK_Q consecutive new tokens of one sequence; its rows are the G query heads
 that share the kv head, each padded to G_PAD, so the tile is a
 [BLOCK_M = BLOCK_Q * G_PAD, D] matrix and every K/V element loaded serves all
 of them.  Keys are visited BLOCK_N at a time (a BLOCK_N tile may span several
-cache blocks when block_size < 16), with online softmax in fp32.
+cache blocks when block_size < 16), with online softmax in fp32.  With a
+sliding window the key loop starts at the tile's first visible key, rounded
+down to BLOCK_N, and a mask drops keys older than each row's window.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ if triton is not None:
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         tile_seq_ptr, tile_q_start_ptr,  # [num_tiles]: owning sequence, first query in it
         qk_scale,  # softmax scale * log2(e), so exp2 can be used
+        window,  # > 0: keys q_pos - window + 1 .. q_pos only; 0: no window
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kv, stride_kv_slot, stride_kv_head,
         stride_bt,
@@ -68,9 +71,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-        # Keys past the tile's last query are never visible to it.
+        # Keys past the tile's last query are never visible to it, nor (with a
+        # window) keys before its first query's window.
         kv_end = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
-        for start_n in range(0, kv_end, BLOCK_N):
+        kv_lo = tl.where(window > 0, tl.maximum(context_len + q_start - window + 1, 0), 0)
+        # Rows whose window starts later see keys below it as well: mask them.
+        oldest = tl.where(window > 0, q_pos - window, -1)  # [BLOCK_M], last key out of sight
+        for start_n in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end  # also keeps the block-table read in its row
             block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
@@ -84,12 +91,15 @@ if triton is not None:
 
             # ieee: fp32 caches must match the torch path, not tf32 (ignored for bf16).
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
-            # Key 0 is visible to every row, so no row is all -inf after the first
-            # tile; padded rows see finite garbage and are never stored.
-            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > oldest[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            # A row may see nothing in a tile (its window starts further on): its
+            # max stays -inf, and exponents are taken against 0 instead so that
+            # no -inf - -inf makes a NaN.  Padded rows are never stored.
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
@@ -115,9 +125,11 @@ def _query_tiles(meta: AttentionMetadata, block_q: int, device: torch.device,
 
 
 def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, window: int | None = None,
+                           ) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]
-    holding this step's keys already.  Returns [T, Hq, D]."""
+    holding this step's keys already.  Returns [T, Hq, D].  window: the
+    sliding window (see attention.py), None for none."""
     if triton is None:
         raise RuntimeError("triton_paged_attention needs the `triton` package; "
                            "install it or use attention.paged_attention")
@@ -146,6 +158,7 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         tile_seq, tile_q_start,
         scale * 1.4426950408889634,  # log2(e)
+        window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         meta.block_tables.stride(0),

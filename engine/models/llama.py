@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/3, Phi-3) over the paged KV cache.
 
 Tokens of all scheduled sequences are flattened into one [T] batch; attention
 metadata says which rows belong to which sequence.
@@ -10,55 +10,18 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import ModuleType
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata, write_kv
+from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
+from engine.models.spec import LlamaSpec
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
-                        AttentionMetadata, float], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LlamaSpec:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> LlamaSpec:
-        arch = cfg.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model: architecture {arch!r} is not supported (llama, mistral, qwen2)")
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "qwen2" or cfg.get("attention_bias", False))
-
+__all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "bare_modules"]
 
 @contextlib.contextmanager
 def bare_modules() -> Iterator[None]:
@@ -78,7 +41,7 @@ def bare_modules() -> Iterator[None]:
 
 
 def inv_freq(spec: LlamaSpec) -> torch.Tensor:
-    d = spec.head_dim
+    d = spec.rope_dim
     # float32 like the reference implementation, so positions rotate identically.
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = spec.rope_scaling
@@ -99,22 +62,34 @@ def inv_freq(spec: LlamaSpec) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """gemma: scales by (1 + weight), in float32 before the cast back (as
+    transformers' Gemma norms do); otherwise by weight, after it (Llama)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In float32, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
+ACTIVATION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D/2].  Rotate-half (non-interleaved) form."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [T, H, D]; cos, sin: [T, 1, R/2].  Rotate-half (non-interleaved) form
+    over the first R dims of each head; the rest pass through (partial rope)."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
@@ -188,12 +163,20 @@ class LlamaLayer(nn.Module):
         h, d = spec.hidden_size, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
-        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=False)
-        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.scale = d ** -0.5
+        self.o_proj = nn.Linear(self.q_size, h, bias=spec.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
+        g, eps = spec.gemma_norms, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, g)
+        # Llama: the MLP's input norm; Gemma: the attention output's (the MLP has its own).
+        self.post_attention_layernorm = RMSNorm(h, eps, g)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, g) if g else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, g) if g else None
+        self.q_norm = RMSNorm(d, eps, g) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, eps, g) if spec.qk_norm else None
+        self.act = ACTIVATION[spec.hidden_act]
+        self.window = spec.window(layer_idx)
+        self.scale = spec.attn_scale
         self.fused: ModuleType | None = None  # the CPU kernels' fused small ops, set by pack_linears
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -203,26 +186,37 @@ class LlamaLayer(nn.Module):
         s, t = self.spec, x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
+        q, k = q.view(t, s.num_heads, s.head_dim), k.view(t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, s.num_kv_heads, s.head_dim)
         write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
-        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+        o = self.o_proj(attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window,
+                             softcap=s.attn_softcap).reshape(t, self.q_size))
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            x = x + self.post_attention_layernorm(o)
+            gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
+            return x + self.post_feedforward_layernorm(self.down_proj(self.act(gate) * up))
+        x = x + o
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(self.act(gate) * up)
 
     def _forward_fused(self, f: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
-        """forward() with the small ops fused (CPU, float32).  Updates x, the
-        residual stream, in place."""
+        """forward() with the small ops fused (CPU, float32, full-width rope).
+        Updates x, the residual stream, in place."""
         s, t = self.spec, x.shape[0]
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = self.qkv_proj(f.rms_norm(x, norm1.weight, norm1.eps))
+        if self.q_norm is not None and self.k_norm is not None:  # per head, in place, ahead of rope
+            for norm, lo, n in ((self.q_norm, 0, s.num_heads), (self.k_norm, self.q_size, s.num_kv_heads)):
+                part = qkv[:, lo:lo + n * s.head_dim]
+                part.copy_(f.rms_norm(part.reshape(t, n, s.head_dim), norm.weight, norm.eps).view(t, -1))
         q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
                                    s.num_heads, s.num_kv_heads)
         v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
+        o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
         h = f.rms_norm(self.o_proj(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)  # x += o_proj(o)
         return x.add_(self.down_proj(f.silu_and_mul(self.gate_up_proj(h))))
 
@@ -233,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.fused: ModuleType | None = None  # set by pack_linears
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -243,26 +237,37 @@ class LlamaForCausalLM(nn.Module):
         # torch's reference-op imports, seconds of start-up).
         with torch.device("cpu"):
             self.inv_freq = inv_freq(spec)
+            # The sliding-window layers' own rope (Gemma 3), or None.
+            self.local_inv_freq = None if spec.local_rope_theta is None else inv_freq(
+                replace(spec, rope_theta=spec.local_rope_theta, rope_scaling=None))
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    @staticmethod
+    def rope(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]  # [T, R/2]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        if self.spec.gemma_norms:  # Gemma scales the embedding, rounded to the model's dtype
+            x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
+        rope = self.rope(self.inv_freq, positions, x.dtype)
+        local = rope if self.local_inv_freq is None else self.rope(self.local_inv_freq, positions, x.dtype)
         for layer in self.layers:
+            cos, sin = local if cast(LlamaLayer, layer).window is not None else rope
             x = layer(x, cos, sin, kv_cache, meta, attn)
         if self.fused is not None:
             return self.fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def linear_names(self) -> list[str]:
         """The layers pack_linears swaps, by attribute path."""
@@ -279,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
             if panels is not None:
                 packed, q4 = panels[path], panels.get(f"{path}#q4")
             setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+        if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
+            return
         self.fused = kernel
         for layer in self.layers:
             cast(LlamaLayer, layer).fused = kernel
@@ -307,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
         draft.norm = self.norm
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
+        draft.local_inv_freq = self.local_inv_freq
         return draft.eval()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False) -> None:
@@ -327,27 +335,46 @@ class LlamaForCausalLM(nn.Module):
                 own[name].copy_(value() if callable(value) else value)
 
         def get(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"model: the checkpoint has no tensor {name!r}")
             return tensors[name]
 
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
         if not self.spec.tie_word_embeddings:
             put("lm_head.weight", get("lm_head.weight"))
-        for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
+        spec = self.spec
+
+        def fused(names: list[str]) -> Callable[[], torch.Tensor]:
+            return functools.partial(torch.cat, [get(n) for n in names])
+
+        for i in range(spec.num_layers):
+            p, mine = f"model.layers.{i}.", f"layers.{i}."
             a = p + "self_attn."
-            put(f"layers.{i}.qkv_proj.weight", functools.partial(
-                torch.cat, [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
-            if self.spec.qkv_bias:
-                put(f"layers.{i}.qkv_proj.bias",
-                    torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
-            put(f"layers.{i}.o_proj.weight", get(a + "o_proj.weight"))
-            put(f"layers.{i}.gate_up_proj.weight",
-                functools.partial(torch.cat,
-                                  [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-            put(f"layers.{i}.down_proj.weight", get(p + "mlp.down_proj.weight"))
-            put(f"layers.{i}.input_layernorm.weight", get(p + "input_layernorm.weight"))
-            put(f"layers.{i}.post_attention_layernorm.weight", get(p + "post_attention_layernorm.weight"))
+            if spec.fused_checkpoint:  # Phi-3 stores the fused layout already
+                put(mine + "qkv_proj.weight", get(a + "qkv_proj.weight"))
+                put(mine + "gate_up_proj.weight", get(p + "mlp.gate_up_proj.weight"))
+            else:
+                put(mine + "qkv_proj.weight", fused([a + f"{x}_proj.weight" for x in "qkv"]))
+                put(mine + "gate_up_proj.weight",
+                    fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            if spec.qkv_bias:
+                put(mine + "qkv_proj.bias", fused([a + f"{x}_proj.bias" for x in "qkv"]))
+            if spec.o_bias:
+                put(mine + "o_proj.bias", get(a + "o_proj.bias"))
+            if spec.mlp_bias:
+                put(mine + "gate_up_proj.bias", fused([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]))
+                put(mine + "down_proj.bias", get(p + "mlp.down_proj.bias"))
+            if spec.qk_norm:
+                put(mine + "q_norm.weight", get(a + "q_norm.weight"))
+                put(mine + "k_norm.weight", get(a + "k_norm.weight"))
+            put(mine + "o_proj.weight", get(a + "o_proj.weight"))
+            put(mine + "down_proj.weight", get(p + "mlp.down_proj.weight"))
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if spec.gemma_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                put(mine + f"{norm}.weight", get(p + f"{norm}.weight"))
         missing = set(own) - loaded
         if missing:
             raise ValueError(f"model: weights missing for {sorted(missing)[:5]}")

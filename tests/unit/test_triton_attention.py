@@ -20,22 +20,25 @@ MIXED_BATCH = [(1, 1), (1, 7), (1, 17), (1, 40),
 
 
 def _causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  ) -> torch.Tensor:
+                  window: int | None = None) -> torch.Tensor:
     """q: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] -> [q_len, Hq, D].  The queries
-    are the last q_len positions."""
+    are the last q_len positions; with a window each sees its last `window` keys."""
     q_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     q_pos = torch.arange(seq_len - q_len, seq_len)
-    visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    k_pos = torch.arange(seq_len)[None, :]
+    visible = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+    if window is not None:
+        visible &= k_pos > q_pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
-               num_kv_heads: int, head_dim: int, gen: torch.Generator,
+               num_kv_heads: int, head_dim: int, gen: torch.Generator, window: int | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           AttentionMetadata, torch.Tensor]:
     """A cache holding every sequence's prefix, the step's new K/V written with
@@ -63,7 +66,7 @@ def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
         k_news.append(k[prefix:])
         v_news.append(v[prefix:])
         slots.append(pos_slots[prefix:])
-        expected.append(_causal_dense(q, k, v, scale))
+        expected.append(_causal_dense(q, k, v, scale, window))
     k_new, v_new, slot_mapping = torch.cat(k_news), torch.cat(v_news), torch.cat(slots)
     write_kv(kv_cache, LAYER, k_new, v_new, slot_mapping)
     query_lens = [q_len for q_len, _ in seqs]
@@ -82,14 +85,15 @@ def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
 
 
 def _check(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
-           num_kv_heads: int, head_dim: int) -> None:
+           num_kv_heads: int, head_dim: int, window: int | None = None) -> None:
     gen = torch.Generator().manual_seed(block_size * 1000 + num_q_heads * 10 + num_kv_heads)
     q, k_new, v_new, kv_cache, meta, expected = _make_step(
-        seqs, block_size, num_q_heads, num_kv_heads, head_dim, gen)
+        seqs, block_size, num_q_heads, num_kv_heads, head_dim, gen, window)
     scale = head_dim ** -0.5
-    torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale)
-    pure_torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, use_kernel=False)
-    triton_out = triton_paged_attention(q, kv_cache, LAYER, meta, scale)
+    torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, window=window)
+    pure_torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, use_kernel=False,
+                                     window=window)
+    triton_out = triton_paged_attention(q, kv_cache, LAYER, meta, scale, window)
     assert triton_out.shape == q.shape
     assert (torch_out - expected).abs().max().item() < 1e-3
     assert (pure_torch_out - expected).abs().max().item() < 1e-3
@@ -116,6 +120,16 @@ def test_decodes_only() -> None:
 
 def test_prefills_only() -> None:
     _check([(7, 7), (20, 37)], block_size=8, num_q_heads=9, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize(("block_size", "window"), [(8, 1), (8, 6), (16, 16), (32, 20), (16, 100)])
+def test_sliding_window_matches_dense(block_size: int, window: int) -> None:
+    """Windows shorter than a block, a block, a tile, and longer than every
+    sequence (no effect), over decodes and prefills with and without a prefix:
+    the CPU kernel, the torch path and Triton each mask exactly the keys the
+    dense reference drops."""
+    _check(MIXED_BATCH + [(30, 30), (25, 60)], block_size, num_q_heads=9, num_kv_heads=3,
+           head_dim=64, window=window)
 
 
 def test_missing_triton_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +171,29 @@ def test_cpu_decode_kernel_long_sequences(block_size: int, head_dim: int) -> Non
                                             meta.block_tables, meta.seq_lens, head_dim ** -0.5)
         assert out.dtype == dtype
         assert (out.float() - expected).abs().max().item() < tol, dtype
+
+
+@pytest.mark.parametrize("window", [1, 127, 128, 200, 600])
+def test_cpu_decode_kernel_sliding_window(window: int) -> None:
+    """Windows that start inside a 128-position span, on a span's edge, and
+    beyond the sequence's start: every sequence sees exactly its last `window`
+    keys, and the masked span is never read (so garbage there cannot leak)."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    seqs = [(1, 128), (1, 129), (1, 300), (1, 2), (1, 513)]
+    gen = torch.Generator().manual_seed(window)
+    q, _, _, kv_cache, meta, expected = _make_step(seqs, 16, 9, 3, 64, gen, window)
+    out = kernel.paged_decode_attention(q, kv_cache, LAYER, meta.block_tables, meta.seq_lens,
+                                        64 ** -0.5, window)
+    assert (out - expected).abs().max().item() < 1e-4
+    for i, (_, seq_len) in enumerate(seqs):  # poison every key out of sight: nothing changes
+        for p in range(max(0, seq_len - window)):
+            kv_cache[meta.block_tables[i, p // 16], LAYER, :, p % 16] = float("nan")
+    again = kernel.paged_decode_attention(q, kv_cache, LAYER, meta.block_tables, meta.seq_lens,
+                                          64 ** -0.5, window)
+    assert torch.equal(again, out)
 
 
 def test_cpu_decode_kernel_is_batch_invariant() -> None:

@@ -6,6 +6,8 @@
 //   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D]
 //   block_tables: [B, max_blocks] int32
 //   seq_lens:     [B] int32
+//   window:       > 0: a sequence of length L attends to its last `window`
+//                 positions only, L - window .. L - 1 (sliding window); 0: all
 //   returns       [B, Hq, D]
 //
 // A task is one sequence's span of up to PART_TOKENS positions, all heads at
@@ -125,7 +127,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
 template <typename scalar_t, int D_>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   double scale, at::Tensor& out) {
+                   double scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1);
   const int64_t D = D_ > 0 ? D_ : q.size(2);
   const int64_t bs = kv.size(3), Hkv = kv.size(4);
@@ -139,12 +141,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Tasks: (sequence, span); first[b] is sequence b's first task.
-  std::vector<int64_t> first(B + 1, 0);
+  // Tasks: (sequence, span); first[b] is sequence b's first task, lo[b] its
+  // first visible position, span_lo[b] the fixed span that holds it.
+  std::vector<int64_t> first(B + 1, 0), lo(B), span_lo(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens[b];
     TORCH_CHECK(L > 0, "seq_lens: every sequence needs at least one position");
-    first[b + 1] = first[b] + (L + PART_TOKENS - 1) / PART_TOKENS;
+    lo[b] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    span_lo[b] = lo[b] / PART_TOKENS;
+    first[b + 1] = first[b] + (L + PART_TOKENS - 1) / PART_TOKENS - span_lo[b];
   }
   const int64_t T = first[B];
   std::vector<float> part_m(T * Hq), part_l(T * Hq), part_acc(T * Hq * D);
@@ -161,8 +166,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
         for (int64_t i = 0; i < Hq * D; ++i) qf[i] = to_f(qp[b * Hq * D + i]) * fscale;
         qb = b;
       }
-      const int64_t t0 = (task - first[b]) * PART_TOKENS;
-      const int64_t t1 = std::min<int64_t>(t0 + PART_TOKENS, lens[b]);
+      const int64_t s0 = (task - first[b] + span_lo[b]) * PART_TOKENS;  // the span's fixed start
+      const int64_t t0 = std::max(lo[b], s0);
+      const int64_t t1 = std::min<int64_t>(s0 + PART_TOKENS, lens[b]);
       Partial p{&part_m[task * Hq], &part_l[task * Hq], &part_acc[task * Hq * D]};
       span<scalar_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
@@ -194,27 +200,31 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 6, "paged_decode_attention: bad ranks");
   TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window: must be >= 0 (0: no sliding window)");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (q.size(2)) {
-      case 64: decode_kernel<scalar_t, 64>(q, kv_cache, layer, block_tables, seq_lens, scale, out); break;
-      case 128: decode_kernel<scalar_t, 128>(q, kv_cache, layer, block_tables, seq_lens, scale, out); break;
-      default: decode_kernel<scalar_t, 0>(q, kv_cache, layer, block_tables, seq_lens, scale, out);
+      case 64: decode_kernel<scalar_t, 64>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out); break;
+      case 128: decode_kernel<scalar_t, 128>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out); break;
+      default: decode_kernel<scalar_t, 0>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0);
 }
