@@ -6,6 +6,7 @@ engine keeps the pure-torch path."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -38,7 +39,11 @@ def build(name: str, source: Path) -> ModuleType | None:
 
         from engine.models.loader import cache_dir
 
-        build_dir = cache_dir() / "kernels" / name  # one ninja file per extension
+        # One folder per extension and source version: checkouts with different
+        # sources (branches, worktrees) never rebuild over each other's build.
+        sources = [source, *sorted(CSRC.glob("*.h"))]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+        build_dir = cache_dir() / "kernels" / f"{name}-{digest}"
         build_dir.mkdir(parents=True, exist_ok=True)
         for header in CSRC.glob("*.h"):  # the sources include these from their own folder
             stable_source(build_dir, header)

@@ -33,7 +33,8 @@ NO_METRICS = {"redis"}  # serves no /metrics endpoint
 
 def code_source() -> str:
     """All the product's Python, for checking that a name a config uses is read somewhere."""
-    return "\n".join(p.read_text() for d in ("engine", "services", "kvtransfer") for p in (ROOT / d).rglob("*.py"))
+    return "\n".join(p.read_text() for d in ("engine", "services", "kvtransfer")
+                     for p in (ROOT / d).rglob("*.py"))
 
 
 def load(name: str) -> dict[str, Any]:
