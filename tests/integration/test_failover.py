@@ -78,7 +78,7 @@ def ensure_decode_workers(stack) -> None:  # type: ignore[no-untyped-def]
     url, _, workers, ports, tmp, _ = stack
     for name in ("d0", "d1"):
         if workers[name].popen.poll() is not None:
-            workers[name] = start_named(name, tmp, ports[name])
+            workers[name] = start_named(name, tmp, ports)
             workers[name].wait_ready()
     wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 30, "both workers never came up")
 

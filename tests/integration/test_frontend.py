@@ -319,8 +319,9 @@ def test_metrics_name_everything_and_count_a_known_workload(stack, client) -> No
     assert set(urls) == {"frontend", "prefill", "decode"}
     routing = {"router_decisions", "index_fallbacks", "requests_migrated"}
     engine = {"request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-              "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
-              "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+              "num_requests_running", "num_requests_waiting", "num_prompt_tokens_waiting",
+              "kv_cache_usage_perc", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+              "spec_decode_num_drafts",
               "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "kv_transfer_bytes",
               "kv_transfer_seconds", "kv_transfer_failures", "kv_transfer_recomputes"}
     every = {*names.HISTOGRAMS, *names.GAUGES, *names.COUNTERS}

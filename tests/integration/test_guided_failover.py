@@ -35,7 +35,8 @@ PROMPTS = [f"List {i}: five people with an id and a short name, as JSON." for i 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("guided-failover")
-    workers = {name: start_named(name, tmp, free_port()) for name in ("d0", "d1")}
+    ports = {name: free_port() for name in ("d0", "d1")}
+    workers = {name: start_named(name, tmp, ports) for name in ports}
     frontend = None
     try:
         for w in workers.values():
