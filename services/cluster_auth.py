@@ -18,13 +18,13 @@ import argparse
 import hmac
 import ipaddress
 import logging
-import os
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
+
+from services.secret_env import secret_from_env
 
 log = logging.getLogger("splitserve.cluster_auth")
 
@@ -45,19 +45,8 @@ def add_cluster_token_arg(p: argparse._ActionsContainer) -> None:
 def cluster_token(args: argparse.Namespace) -> str | None:
     """The token from the flag, else the environment, else the file the environment
     names; None when none is set.  An unreadable or empty file is an error, not 'no token'."""
-    token = getattr(args, "cluster_token", None) or os.environ.get(ENV)
-    if token:
-        return str(token)
-    path = os.environ.get(FILE_ENV)
-    if not path:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as e:
-        raise SystemExit(f"{FILE_ENV}={path}: cannot read the cluster token: {e}") from None
-    if not token:
-        raise SystemExit(f"{FILE_ENV}={path}: the file is empty")
-    return token
+    token = getattr(args, "cluster_token", None)
+    return str(token) if token else secret_from_env(ENV)
 
 
 def new_token() -> str:

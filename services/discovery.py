@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.secret_env import redis_password
+
 if TYPE_CHECKING:
     from collections.abc import Sized
 
@@ -51,7 +53,7 @@ def registration_prefix(model_id: str) -> str:
 def _client(url: str) -> aioredis.Redis:
     # Bytes, decoded here: a non-UTF-8 value is one bad entry, not an exception in redis-py.
     return aioredis.Redis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S,
-                                   decode_responses=False)
+                                   decode_responses=False, password=redis_password())
 
 
 def _mac(token: str, fields: dict[str, Any]) -> str:

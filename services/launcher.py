@@ -7,6 +7,7 @@ everything cleanly on Ctrl-C / SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -120,7 +121,7 @@ class Stack:
             argv += ["--redis-url", a.redis_url]
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
-        argv += frontend_security_argv(a)
+        argv += frontend_security_argv(a) + frontend_passthrough_argv(a)
         health_url = f"{rest_scheme(a)}://{a.host}:{a.port}/health"
         frontend = self._spawn("frontend", argv, health_url=health_url, env=frontend_env(a, os.environ))
         for name, proc, ready in pending:
@@ -210,6 +211,39 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(p)
     add_tracing_args(p)
     add_security_args(p)
+    add_frontend_passthrough(p)
+
+
+PASSTHROUGH = "frontend__"  # dest prefix of the frontend's own flags on `up`
+
+
+def add_frontend_passthrough(p: argparse.ArgumentParser) -> None:
+    """Every `splitserve frontend` flag that `up` does not define itself, with
+    the frontend's help, handed to the frontend when given (so the stack takes
+    what the README says the frontend does: --request-timeout, --max-migrations...)."""
+    from services.frontend.config import build_parser as frontend_parser
+
+    g = p.add_argument_group("frontend (handed to it as given; defaults are the frontend's)")
+    for action in frontend_parser()._actions:
+        if not action.option_strings or any(o in p._option_string_actions for o in action.option_strings):
+            continue
+        act = copy.copy(action)
+        act.dest, act.default = PASSTHROUGH + action.dest, None
+        act.metavar = action.metavar or (None if action.choices else action.dest.upper())
+        if "default" not in (action.help or ""):
+            act.help = f"{action.help or ''} (default: {action.default})".lstrip()
+        g._add_action(act)
+
+
+def frontend_passthrough_argv(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    from services.frontend.config import build_parser as frontend_parser
+
+    for action in frontend_parser()._actions:
+        value = getattr(args, PASSTHROUGH + action.dest, None)
+        if value is not None:
+            out += [action.option_strings[-1], str(value)]
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:

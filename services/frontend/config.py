@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.frontend.tool_parsers import PARSERS
+from services.secret_env import secret_from_env
 from services.tracing import add_tracing_args
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
@@ -120,8 +121,9 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 
 def api_keys(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, ...]:
-    """--api-key (repeatable) and SPLITSERVE_API_KEY (comma-separated), in that order, once each."""
-    keys = [*(flags or ()), *env.get(API_KEY_ENV, "").split(",")]
+    """--api-key (repeatable) and SPLITSERVE_API_KEY (or the file SPLITSERVE_API_KEY_FILE
+    names; comma- or line-separated), in that order, once each."""
+    keys = [*(flags or ()), *(secret_from_env(API_KEY_ENV, env) or "").replace("\n", ",").split(",")]
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 

@@ -43,6 +43,7 @@ from redis.retry import Retry
 from engine.block_pool import CacheEvent
 from engine.hashing import BlockHash
 from services.index.base import IndexUnavailable, PrefixIndex
+from services.secret_env import redis_password
 
 # KEYS: blk keys of the query, in order.  ARGV[1]: alive-key prefix;
 # ARGV[2]: "1" if ARGV[3..] restrict the workers, else "0".
@@ -102,10 +103,11 @@ class RedisPrefixIndex(PrefixIndex):
         self.prefix = f"splitserve:{{{model_id}}}:".encode()
         self._lookup = redis.Redis.from_url(
             url, socket_timeout=lookup_timeout_s, socket_connect_timeout=lookup_timeout_s,
-            retry=Retry(NoBackoff(), 1), decode_responses=False)
+            retry=Retry(NoBackoff(), 1), decode_responses=False, password=redis_password())
         self._write = redis.Redis.from_url(
             url, socket_timeout=write_timeout_s, socket_connect_timeout=write_timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2), decode_responses=False)
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2), decode_responses=False,
+            password=redis_password())
         self._longest_prefix = self._lookup.register_script(_LONGEST_PREFIX_LUA)
         self._drop_worker = self._write.register_script(_DROP_WORKER_LUA)
         self._sweep_interval_s = sweep_interval_s

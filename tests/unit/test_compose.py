@@ -98,8 +98,9 @@ def test_names_it_uses_exist(compose: dict[str, Any], args: dict[str, Any]) -> N
     source = code_source()
     for name, service in services.items():
         for var in service.get("environment", {}):
-            if name in ROLES:
-                assert re.search(rf"[\"']{var}[\"']", source), f"{name}: nothing reads ${var}"
+            if name in ROLES:  # NAME_FILE: the secret NAME read from a file (services/secret_env.py)
+                read = var.removesuffix("_FILE")
+                assert re.search(rf"[\"']{read}[\"']", source), f"{name}: nothing reads ${var}"
             else:
                 assert var in IMAGE_ENV.get(name, set()), f"{name}: unknown env var {var}"
         for dep, cond in service.get("depends_on", {}).items():
@@ -128,18 +129,41 @@ def test_names_it_uses_exist(compose: dict[str, Any], args: dict[str, Any]) -> N
             args["decode"].ucx_port, args["decode"].metrics_port} <= exposed
 
 
-def test_cluster_token_reaches_every_splitserve_service_as_a_secret(compose: dict[str, Any],
-                                                                    args: dict[str, Any]) -> None:
-    from services.cluster_auth import FILE_ENV
+SECRETS = {"frontend": ["cluster_token", "redis_password", "api_keys"],
+           "prefill": ["cluster_token", "redis_password"], "decode": ["cluster_token", "redis_password"],
+           "redis": ["redis_password"], "prometheus": ["metrics_key"]}
 
-    secret = compose["secrets"]["cluster_token"]
-    assert interpolate(secret["file"]) == "./secrets/cluster_token"
+
+def test_secure_by_default(compose: dict[str, Any], args: dict[str, Any]) -> None:
+    """Secrets only as compose secrets (files the setup script makes), never in
+    env values or argv; published ports on loopback only; Redis wants its
+    password; Grafana's anonymous users only view."""
+    services = compose["services"]
+    made = (ROOT / "scripts" / "compose-secrets.sh").read_text()
+    for name, secret in compose["secrets"].items():
+        assert interpolate(secret["file"]) == f"./secrets/{name}"
+        assert f"secrets/{name}" in made or f"make {name} " in made, f"the setup script does not make {name}"
+    for name, service in services.items():
+        assert service.get("secrets", []) == SECRETS.get(name, []), name
+        env = service.get("environment", {})
+        for var, value in env.items():
+            if var.endswith("_FILE"):
+                assert value == f"/run/secrets/{value.rsplit('/', 1)[1]}" and value.rsplit("/", 1)[1] in \
+                    service["secrets"], (name, var)
+            assert not re.search("TOKEN|PASSWORD|API_KEY|SECRET", var) or var.endswith("_FILE"), (name, var)
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
     for role in ROLES:
-        service = compose["services"][role]
-        assert service["secrets"] == ["cluster_token"], role
-        assert service["environment"][FILE_ENV] == "/run/secrets/cluster_token", role
-        assert args[role].cluster_token is None  # never on the command line
-        assert not any("TOKEN" in k and k != FILE_ENV for k in service["environment"]), role
+        assert args[role].cluster_token is None and "@" not in args[role].redis_url  # nothing secret in argv
+    assert not args["frontend"].api_key
+    redis = " ".join(services["redis"]["command"])
+    assert "--requirepass" in redis and "/run/secrets/redis_password" in redis
+    assert "/run/secrets/redis_password" in " ".join(services["redis"]["healthcheck"]["test"])
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert 'USER 10001' in (ROOT / "Dockerfile").read_text()
+    [frontend_job] = [j for j in load("deploy/prometheus/prometheus.yml")["scrape_configs"]
+                      if j["job_name"] == "frontend"]
+    assert frontend_job["authorization"]["credentials_file"] == "/run/secrets/metrics_key"
 
 
 def test_prometheus_scrapes_every_service(compose: dict[str, Any], args: dict[str, Any]) -> None:

@@ -144,7 +144,7 @@ def test_commands_parse_and_probes_ports_and_drain_match_the_flags(rendered: lis
         assert args["decode"][1].local_prefill_threshold == fe.local_prefill_threshold
     for role in ROLES:
         redis = args[role][1].redis_url
-        assert re.fullmatch(r"redis://:secret-redis-password@redis:6379/0", redis), redis
+        assert redis == "redis://redis:6379/0", redis  # the password comes from a file
 
 
 def test_gpu_overlay_puts_workers_on_gpus() -> None:
@@ -169,10 +169,17 @@ def test_pods_run_as_non_root_with_secrets_from_the_secret(rendered: list[dict[s
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"]["drop"] == ["ALL"]
             assert c["resources"]["requests"] and c["resources"]["limits"]
-            if name in ROLES:
-                for var in container_env(c):
+            if name in ROLES:  # secrets as files from the Secret's volume, never env values
+                assert not any("valueFrom" in v and "secretKeyRef" in v["valueFrom"] for v in c["env"])
+                mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+                secret_dirs = [mounts[v["name"]] for v in pod["volumes"]
+                               if v.get("secret", {}).get("secretName") == SECRET]
+                for var, value in container_env(c).items():
                     if var.startswith("SPLITSERVE_"):
-                        assert re.search(rf"[\"']{var}[\"']", source), f"{name}: nothing reads ${var}"
+                        read = var.removesuffix("_FILE")
+                        assert re.search(rf"[\"']{read}[\"']", source), f"{name}: nothing reads ${var}"
+                    if var.endswith("_FILE"):
+                        assert any(value.startswith(d + "/") for d in secret_dirs), (name, var)
         selector = dep["spec"]["selector"]["matchLabels"]
         assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     pdbs = by_kind(rendered, "PodDisruptionBudget")

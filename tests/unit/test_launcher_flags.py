@@ -1,0 +1,42 @@
+"""`splitserve up` takes every flag `splitserve frontend` takes: its own (host,
+ports, routing, trust flags...) or handed over as given."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cli import add_engine_args
+from services.frontend.config import build_parser as frontend_parser
+from services.launcher import add_up_args, frontend_passthrough_argv
+
+
+def up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)  # as `splitserve up` builds it
+    add_up_args(p)
+    return p
+
+
+def test_every_frontend_flag_is_an_up_flag() -> None:
+    up = up_parser()._option_string_actions
+    missing = [o for a in frontend_parser()._actions for o in a.option_strings if o not in up]
+    assert not missing
+
+
+def test_given_frontend_flags_reach_the_frontend_and_parse_there() -> None:
+    args = up_parser().parse_args(["--request-timeout", "30", "--max-migrations", "2", "--tool-call-parser",
+                                   "llama3_json", "--max-waiting-requests", "8", "--queue-weight", "0.5"])
+    argv = frontend_passthrough_argv(args)
+    pairs = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert pairs == {"--max-waiting-requests": "8", "--queue-weight": "0.5", "--request-timeout": "30.0",
+                     "--max-migrations": "2", "--tool-call-parser": "llama3_json"}
+    fe = frontend_parser().parse_args(["--decode", "127.0.0.1:1", *argv])
+    assert (fe.request_timeout, fe.max_migrations, fe.tool_call_parser, fe.max_waiting_requests,
+            fe.queue_weight) == (30.0, 2, "llama3_json", 8, 0.5)
+    assert frontend_passthrough_argv(up_parser().parse_args([])) == []  # the frontend's own defaults
+
+
+def test_every_flag_says_what_it_does_and_its_default() -> None:
+    for action in up_parser()._actions:
+        if action.option_strings and action.dest.startswith("frontend__"):
+            assert action.help and "default" in action.help, action.option_strings
