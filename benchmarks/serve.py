@@ -38,7 +38,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--workload", choices=WORKLOADS, default="random", help="what the requests look like")
     p.add_argument("--dataset", default=None,
                    help="replay: a JSONL file of {prompt, output_len, arrival_time}")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (short chats in interference)")
@@ -53,8 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals (inf: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many in flight")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT objective")
     p.add_argument("--slo-itl-ms", type=float, default=None,
                    help="goodput: inter-token objective (per request mean, i.e. TPOT)")
@@ -62,7 +62,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="name of the system under test, for the JSON line")
     p.add_argument("--json-out", default=None, help="append the JSON line to this file")
     p.add_argument("--plot", default=None, help="draw latency CDFs and throughput to this PNG")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="print no progress line")
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:

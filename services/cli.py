@@ -15,6 +15,8 @@ import argparse
 import sys
 from typing import Any
 
+from services.help_format import with_defaults
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -22,17 +24,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when there is a GPU)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=float, default=0.25,
                    help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens in one engine step (longer prompts are prefilled in chunks)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come first served; priority: lower `priority` first, preempting")
+    g.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt blocks")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                             ("generate", cmd_generate, "complete one prompt")):
         p = sub.add_parser(name, help=help_)
         add_engine_args(p)
-        p.add_argument("--temperature", type=float, default=0.7)
-        p.add_argument("--top-p", type=float, default=0.95)
-        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+        p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
         if name == "generate":
             p.add_argument("prompt")
         p.set_defaults(fn=fn)
@@ -112,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     off = bsub.add_parser("offline", help="offline throughput vs Hugging Face static batching")
     add_engine_args(off)
-    off.add_argument("--num-prompts", type=int, default=64)
-    off.add_argument("--min-prompt-len", type=int, default=64)
-    off.add_argument("--max-prompt-len", type=int, default=512)
-    off.add_argument("--output-len", type=int, default=128)
-    off.add_argument("--hf-batch-size", type=int, default=16)
+    off.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
+    off.add_argument("--min-prompt-len", type=int, default=64, help="shortest prompt, tokens")
+    off.add_argument("--max-prompt-len", type=int, default=512, help="longest prompt, tokens")
+    off.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
+    off.add_argument("--hf-batch-size", type=int, default=16, help="Hugging Face generate's static batch")
     off.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
     off.add_argument("--json", action="store_true", help="also print one JSON line")
     off.set_defaults(fn=cmd_bench)
@@ -129,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export-hf", help="save the model as a Hugging Face directory")
     add_export_args(exp)
     exp.set_defaults(fn=cmd_export_hf)
+    with_defaults(parser)
     return parser
 
 

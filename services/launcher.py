@@ -189,16 +189,20 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
     g.add_argument("--decode", type=int, default=1, help="decode workers")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     g.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
-    g.add_argument("--grpc-port", type=int, default=50051)
+    g.add_argument("--grpc-port", type=int, default=50051, help="the frontend's gRPC port")
     g.add_argument("--redis-url", default=None, help="Redis for the prefix index (default: embedded)")
-    g.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"])
+    g.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
+                   help="how the frontend picks workers (kv-aware: where the prompt's prefix is cached)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
-    g.add_argument("--local-prefill-threshold", type=int, default=64)
-    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
-    g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
-    g.add_argument("--start-timeout", type=float, default=300.0)
+    g.add_argument("--local-prefill-threshold", type=int, default=64,
+                   help="prompts with fewer tokens are prefilled on the decode worker")
+    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="a failed KV transfer: recompute the prompt on the decode worker, or fail it")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV transfer")
+    g.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds each process may take to become ready (a first start compiles kernels)")
     g.add_argument("--max-restarts", type=int, default=5,
                    help="a process that dies is restarted (back-off 0.5 s, doubling to 30 s); one that "
                         "dies more often than this within --restart-window stops the stack (crash loop)")

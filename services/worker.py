@@ -38,10 +38,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
 
     add_engine_args(p)
     g = p.add_argument_group("worker")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--grpc-port", type=int, default=0, help="0: pick a free port")
     g.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick a free port)")
-    g.add_argument("--worker-id", default=None)
+    g.add_argument("--worker-id", default=None,
+                   help="name in logs, metrics and /cluster (default: role-host-pid)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV transfer")
     g.add_argument("--metrics-port", type=int, default=0,

@@ -6,15 +6,17 @@ import argparse
 
 from protos import pb_grpc
 from services.decode.servicer import DecodeServicer
+from services.help_format import DefaultsHelpFormatter
 from services.worker import add_worker_args, run_worker
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve decode")
+    p = argparse.ArgumentParser(prog="splitserve decode", formatter_class=DefaultsHelpFormatter)
     add_worker_args(p, "decode")
     p.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="prompts with fewer tokens than this are prefilled here")
-    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
+    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="a failed KV transfer: recompute the prompt here, or fail the request")
     return p
 
 

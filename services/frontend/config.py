@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.frontend.tool_parsers import PARSERS
+from services.help_format import DefaultsHelpFormatter
 from services.secret_env import secret_from_env
 from services.tracing import add_tracing_args
 
@@ -128,9 +129,9 @@ def api_keys(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.frontend",
+    p = argparse.ArgumentParser(prog="python -m services.frontend", formatter_class=DefaultsHelpFormatter,
                                 description="splitserve frontend: OpenAI REST + gRPC, tokenizer, router")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC Frontend.Generate port")
     p.add_argument("--model", default=None,
@@ -155,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizing (0: 16 x the workers' max_model_len)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log line printed")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cluster prefix index (default: embedded in this process); "
                         "without --decode/--prefill, also where workers register (discovery)")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 
 from protos import pb_grpc
+from services.help_format import DefaultsHelpFormatter
 from services.peers import KnownDecodeListeners
 from services.prefill.servicer import PrefillServicer
 from services.worker import add_worker_args, run_worker
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve prefill")
+    p = argparse.ArgumentParser(prog="splitserve prefill", formatter_class=DefaultsHelpFormatter)
     add_worker_args(p, "prefill")
     p.add_argument("--fault-send-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p

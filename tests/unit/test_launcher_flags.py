@@ -40,3 +40,37 @@ def test_every_flag_says_what_it_does_and_its_default() -> None:
     for action in up_parser()._actions:
         if action.option_strings and action.dest.startswith("frontend__"):
             assert action.help and "default" in action.help, action.option_strings
+
+
+def every_parser() -> dict[str, argparse.ArgumentParser]:
+    import importlib
+
+    from services import cli
+
+    parsers = {"frontend": frontend_parser()}
+    for role in ("prefill", "decode"):
+        parsers[role] = importlib.import_module(f"services.{role}.__main__").build_parser()
+
+    def walk(prefix: str, p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if sub._actions[1:]:  # the service stubs hand their flags on
+                        parsers[f"{prefix}{name}"] = sub
+                    walk(f"{prefix}{name} ", sub)
+
+    walk("", cli.build_parser())
+    return parsers
+
+
+def test_every_command_line_flag_has_help_and_shows_its_default() -> None:
+    for name, parser in every_parser().items():
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = action.option_strings[-1]
+            assert action.help, f"splitserve {name} {flag}: no help"
+            if action.default not in (None, False, argparse.SUPPRESS) and action.help != argparse.SUPPRESS:
+                at = text.index(flag + " ", text.index("options:") if "options:" in text else 0)
+                assert "default" in text[at:at + 400], f"splitserve {name} {flag}: help shows no default"
