@@ -92,6 +92,7 @@ def test_chaos_every_stream_exact_or_cleanly_failed(tmp_path: Path) -> None:
         assert not lost, f"chaos seed {seed}: lost streams: {lost}"
         assert outcomes["exact"] >= streams // 2, f"chaos seed {seed}: {outcomes}"
         if faults["SIGKILL"] or faults["SIGTERM"]:
-            assert "is back" in up.text()  # the supervisor brought them back
+            # The supervisor brought them back (it logs so on its next poll).
+            wait_until(lambda: "is back" in up.text(), 10, up.text)
     finally:
         up.close()
