@@ -3,6 +3,8 @@ against the torch path and a dense softmax(QK^T)V written out per sequence."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from engine.layers.triton_attention import triton_paged_attention
 
 pytest.importorskip("triton")  # conftest has chosen the interpreter on CPU-only machines
 
+# On a GPU machine the kernel runs compiled on the GPU; elsewhere, interpreted.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_LAYERS, LAYER = 2, 1  # write to a layer other than 0 so layer strides matter
 # (q_len, seq_len), decodes first.  Prefills with and without a cached prefix,
 # lengths off block boundaries, and a 1-token prefill chunk after a long prefix.
@@ -93,7 +97,11 @@ def _check(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
     torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, window=window)
     pure_torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, use_kernel=False,
                                      window=window)
-    triton_out = triton_paged_attention(q, kv_cache, LAYER, meta, scale, window)
+    on_device = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(KERNEL_DEVICE)
+                                             for f in dataclasses.fields(meta)
+                                             if isinstance(getattr(meta, f.name), torch.Tensor)})
+    triton_out = triton_paged_attention(q.to(KERNEL_DEVICE), kv_cache.to(KERNEL_DEVICE), LAYER,
+                                        on_device, scale, window).cpu()
     assert triton_out.shape == q.shape
     assert (torch_out - expected).abs().max().item() < 1e-3
     assert (pure_torch_out - expected).abs().max().item() < 1e-3
