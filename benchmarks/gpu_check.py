@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline import make_prompts
+from benchmarks.offline import bench_hf, make_prompts
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention shape
 DEVICE = "cuda"  # --device cpu: a smoke run of the engine parts, without the kernel
 
 
 def environment() -> dict[str, Any]:
-    import triton
     import transformers
+    import triton
 
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
@@ -77,29 +77,34 @@ def decode_step(batch: int, context: int, dtype: torch.dtype, num_layers: int = 
 
 def kernel_report() -> list[dict[str, Any]]:
     """Triton vs the torch path on decode steps of SmolLM2's attention shape."""
+
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, context in ((1, 512), (16, 1024), (64, 2048), (256, 1024)):
+            rows.append(time_kernel(batch, context, dtype))
+            print(f"kernel {rows[-1]}", flush=True)
+    return rows
+
+
+def time_kernel(batch: int, context: int, dtype: torch.dtype) -> dict[str, Any]:
     from triton.testing import do_bench
 
     from engine.layers.attention import paged_attention
     from engine.layers.triton_attention import triton_paged_attention
 
-    rows = []
     scale = HEAD_DIM ** -0.5
-    for dtype in (torch.float32, torch.bfloat16):
-        for batch, context in ((1, 512), (16, 1024), (64, 2048), (256, 1024)):
-            q, k_new, v_new, kv_cache, meta = decode_step(batch, context, dtype)
-            ref = paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale, use_kernel=False)
-            out = triton_paged_attention(q, kv_cache, 0, meta, scale)
-            err = (out.float() - ref.float()).abs().max().item()
-            t_triton = do_bench(lambda: triton_paged_attention(q, kv_cache, 0, meta, scale))
-            t_torch = do_bench(lambda: paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale,
-                                                       use_kernel=False))
-            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * kv_cache.element_size()
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch,
-                         "context": context, "max_abs_err": err, "triton_us": t_triton * 1e3,
-                         "torch_us": t_torch * 1e3,
-                         "triton_kv_gb_s": kv_bytes / (t_triton * 1e-3) / 1e9})
-            print(f"kernel {rows[-1]}", flush=True)
-    return rows
+    q, k_new, v_new, kv_cache, meta = decode_step(batch, context, dtype)
+    ref = paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale, use_kernel=False)
+    out = triton_paged_attention(q, kv_cache, 0, meta, scale)
+    t_triton = do_bench(lambda: triton_paged_attention(q, kv_cache, 0, meta, scale))
+    t_torch = do_bench(lambda: paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale,
+                                               use_kernel=False))
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * kv_cache.element_size()
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+            "max_abs_err": (out.float() - ref.float()).abs().max().item(),
+            "triton_us": t_triton * 1e3, "torch_us": t_torch * 1e3,
+            "triton_kv_gb_s": kv_bytes / (t_triton * 1e-3) / 1e9}
 
 
 def random_model(model_dir: Path, out: Path) -> Path:
@@ -139,16 +144,18 @@ def parity_report(model: Path, prompts: list[list[int]], new_tokens: int) -> dic
     ours = llm.generate(prompts, params)
     del llm
     empty_cache()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = hf.to(torch.device(DEVICE)).eval()  # type: ignore[arg-type]  # transformers mistypes .to
     theirs, first = hf_greedy(hf, prompts, new_tokens)
     del hf
     empty_cache()
     same, agree, lp_diff = 0, 0, 0.0
     for o, t, lp in zip(ours, theirs, first, strict=True):
-        toks = o.outputs[0].token_ids
+        toks, logprobs = o.outputs[0].token_ids, o.outputs[0].logprobs
+        assert logprobs is not None
         same += toks == t
         agree += next((i for i, (a, b) in enumerate(zip(toks, t, strict=True)) if a != b), len(t))
-        lp_diff = max(lp_diff, abs(o.outputs[0].logprobs[0][toks[0]].logprob - lp))
+        lp_diff = max(lp_diff, abs(logprobs[0][toks[0]].logprob - lp))
     report = {"prompts": len(prompts), "new_tokens": new_tokens, "identical": same,
               "tokens_before_first_difference": agree, "tokens": len(prompts) * new_tokens,
               "first_step_logprob_max_diff": lp_diff}
@@ -156,8 +163,7 @@ def parity_report(model: Path, prompts: list[list[int]], new_tokens: int) -> dic
     return report
 
 
-def speed_report(model: Path, vocab: int, hf_too: bool) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+def speed_report(model: Path, vocab: int, hf_too: bool, profile: bool) -> dict[str, Any]:
 
     from engine import LLM, SamplingParams
 
@@ -182,24 +188,22 @@ def speed_report(model: Path, vocab: int, hf_too: bool) -> dict[str, Any]:
     report["single_stream_256"] = {"tok_s_median": statistics.median(single),
                                    "ms_per_token": 1000 / statistics.median(single)}
     print(f"speed single {report['single_stream_256']}", flush=True)
+    if profile:  # where a single stream's time goes, host side and device side
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            llm.generate(make_prompts(1, 32, 32, vocab, seed=99),
+                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
     del llm
     empty_cache()
     if hf_too:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(DEVICE).eval()
-        prompts = make_prompts(64, 64, 512, vocab, seed=64)
-        n, t = 0, time.perf_counter()
-        for i in range(0, len(prompts), 16):
-            batch = prompts[i:i + 16]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=DEVICE)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=DEVICE)
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=128, min_new_tokens=128,
-                                  do_sample=False, pad_token_id=0)
-            n += (out.shape[1] - width) * len(batch)
-        dt = time.perf_counter() - t
-        report["hf_static_batch16_64x128"] = {"seconds": dt, "output_tok_s": n / dt}
-        print(f"speed hf {report['hf_static_batch16_64x128']}", flush=True)
+        hf = bench_hf(model, torch.bfloat16, make_prompts(64, 64, 512, vocab, seed=64), 128,
+                      batch_size=16, pad_id=0, device=DEVICE)
+        report["hf_static_batch16_64x128"] = hf
+        print(f"speed hf {hf}", flush=True)
     return report
 
 
@@ -215,6 +219,8 @@ def main() -> int:
                     help="config.json and tokenizer files of the model whose shape to use")
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a profile of a single stream's 32 tokens (top 20 ops by host time)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a smoke run of the engine parts only (no kernel timings)")
     args = ap.parse_args()
@@ -231,7 +237,7 @@ def main() -> int:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         prompts = make_prompts(8, 16, 200, vocab, seed=1)
         report["parity"] = parity_report(model, prompts, 32)
-        report["speed"] = speed_report(model, vocab, not args.skip_hf)
+        report["speed"] = speed_report(model, vocab, not args.skip_hf, args.profile)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -32,18 +32,19 @@ def bench_splitserve(llm: Any, prompts: list[list[int]], output_len: int) -> dic
 
 
 def bench_hf(model_dir: Any, dtype: Any, prompts: list[list[int]], output_len: int,
-             batch_size: int, pad_id: int) -> dict[str, float]:
+             batch_size: int, pad_id: int, device: str = "cpu") -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers mistypes .to
     n = 0
     t = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i:i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)

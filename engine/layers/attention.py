@@ -17,8 +17,8 @@ C * tanh(s / C) before the softmax. Decodes (q_len == 1) come first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,8 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for the CPU path
     seq_lens_host: list[int]
     num_decodes: int  # the first num_decodes sequences have q_len == 1
+    # What a backend derives once per step and reuses in every layer (keyed by the backend).
+    per_step: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

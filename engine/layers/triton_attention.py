@@ -111,17 +111,21 @@ if triton is not None:
 
 def _query_tiles(meta: AttentionMetadata, block_q: int, device: torch.device,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (tile_seq, tile_q_start): [num_tiles] int32 each.  Sized from the host
-    copy of the query lengths, so building them never waits on the device."""
-    num_tiles = sum(triton.cdiv(q_len, block_q) for q_len in meta.query_lens)
-    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    tiles_per_seq = (q_lens + block_q - 1) // block_q  # [B]
-    seq_ids = torch.arange(meta.num_seqs, device=device, dtype=torch.int32)
-    tile_seq = torch.repeat_interleave(seq_ids, tiles_per_seq, output_size=num_tiles)
-    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq  # [B] exclusive scan
-    tile_ids = torch.arange(num_tiles, device=device)
-    tile_q_start = (tile_ids - first_tile[tile_seq]) * block_q
-    return tile_seq.to(torch.int32), tile_q_start.to(torch.int32)
+    """-> (tile_seq, tile_q_start): [num_tiles] int32 each.  Built on the host
+    from the host copy of the query lengths (never waiting on the device), sent
+    in one copy, once per step: every layer reuses them."""
+    key = f"triton_tiles_{block_q}"
+    tiles = meta.per_step.get(key)
+    if tiles is None:
+        seqs: list[int] = []
+        starts: list[int] = []
+        for seq, q_len in enumerate(meta.query_lens):
+            for start in range(0, q_len, block_q):
+                seqs.append(seq)
+                starts.append(start)
+        tiles = torch.tensor([seqs, starts], dtype=torch.int32).to(device, non_blocking=True)
+        meta.per_step[key] = tiles
+    return tiles[0], tiles[1]
 
 
 def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
