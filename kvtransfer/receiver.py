@@ -24,6 +24,7 @@ from kvtransfer import wire
 from kvtransfer.channel import Channel, block_buffer
 from kvtransfer.errors import TransferCancelled, TransferError, TransferFailed, TransferTimeout
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
+from kvtransfer.listen_host import ListenHost, endpoint_addresses
 from kvtransfer.stats import DirectionStats, Outcome, TransferRecord
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,10 @@ class _Incoming:
 
 class Receiver:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, stats: DirectionStats,
-                 record: Callable[[TransferRecord], None], handshake_timeout_s: float) -> None:
+                 record: Callable[[TransferRecord], None], handshake_timeout_s: float,
+                 listen_host: ListenHost | None = None) -> None:
         self._kv_cache = kv_cache
+        self._listen_host = listen_host
         self._layout = layout
         self._stats = stats
         self._record = record
@@ -97,6 +100,15 @@ class Receiver:
     def serve(self, endpoint: Any) -> None:
         """Listener callback: one new connection from a sender."""
         chan = Channel(endpoint)
+        if self._listen_host is not None and not self._listen_host.any:
+            local, remote = endpoint_addresses(getattr(endpoint, "ucp_endpoint", 0))
+            if not self._listen_host.admits(local):
+                self._stats.off_host_connections += 1
+                log.warning("kvtransfer: refused a connection from %s to %s: this worker listens "
+                            "on %s only", remote or "an unknown address", local or "an unknown address",
+                            self._listen_host.host)
+                chan.abort()  # before any receive is posted: not a byte is read
+                return
         self._channels.add(chan)
         self._spawn(self._serve(chan))
 

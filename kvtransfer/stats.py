@@ -30,6 +30,7 @@ class DirectionStats:
     cancelled: int = 0
     layout_mismatches: int = 0  # connections refused at the handshake
     bad_tokens: int = 0  # headers of an expected transfer refused for a missing or wrong token
+    off_host_connections: int = 0  # connections refused for arriving off the listen host
     seconds_total: float = 0.0  # summed over completed transfers
     last_seconds: float = 0.0
 

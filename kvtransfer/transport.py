@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from kvtransfer.layout import KVLayout
+from kvtransfer.listen_host import ListenHost
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender, SendFault
 from kvtransfer.stats import DirectionStats, TransferRecord, TransportStats
@@ -55,12 +56,16 @@ DEFAULT_TIMEOUT_S = 30.0
 class KVTransport:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 on_transfer: Callable[[TransferRecord], None] | None = None) -> None:
+                 on_transfer: Callable[[TransferRecord], None] | None = None,
+                 listen_host: str | None = None) -> None:
         """kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous,
-        on the CPU or a CUDA device.  host: the address peers use to reach this worker (UCX
-        listens on every interface).  timeout_s: the limit for one send(), connecting included,
-        and for the handshake of an incoming connection.  on_transfer: called on the event loop
-        for every finished transfer, in both directions (the services feed histograms with it)."""
+        on the CPU or a CUDA device.  host: the address peers use to reach this worker.
+        listen_host: the local address connections must arrive on (a worker's --host); UCX
+        listens on every interface, so connections that arrive elsewhere are closed unread
+        (see listen_host.py); None, 0.0.0.0 or '::' admit any.  timeout_s: the limit for one
+        send(), connecting included, and for the handshake of an incoming connection.
+        on_transfer: called on the event loop for every finished transfer, in both directions
+        (the services feed histograms with it)."""
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous: each block is sent as one region")
         actual = KVLayout.from_cache(kv_cache, layout.model_id)
@@ -73,7 +78,8 @@ class KVTransport:
         self._port = port
         self._on_transfer = on_transfer
         self.stats = TransportStats(sent=DirectionStats(), received=DirectionStats())
-        self._receiver = Receiver(kv_cache, layout, self.stats.received, self._record, timeout_s)
+        self._receiver = Receiver(kv_cache, layout, self.stats.received, self._record, timeout_s,
+                                  None if listen_host is None else ListenHost(listen_host))
         self._sender = Sender(kv_cache, layout, self.stats.sent, self._record, max_inflight_bytes,
                               timeout_s)
         self._listener: Any = None

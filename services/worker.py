@@ -117,7 +117,7 @@ async def start_transport(engine: LLMEngine, args: argparse.Namespace, port: int
 
     kv = engine.runner.kv_cache
     transport = KVTransport(kv, KVLayout.from_cache(kv, engine.model_id), host=advertise_host(args),
-                            port=port, timeout_s=args.kv_transfer_timeout)
+                            port=port, timeout_s=args.kv_transfer_timeout, listen_host=args.host)
     await transport.start()
     return transport
 

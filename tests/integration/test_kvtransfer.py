@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -27,6 +28,8 @@ F32 = CacheSpec(dtype="float32", num_blocks=NUM_BLOCKS, seed=1)
 BF16 = CacheSpec(dtype="bfloat16", num_blocks=NUM_BLOCKS, seed=2)
 BLOCK_BYTES = F32.layout().block_bytes  # 4 layers x 2 x 16 x 2 heads x 64 x 4 bytes = 64 KiB
 # 4 MiB blocks take milliseconds each, so a cancel lands while blocks are on the wire
+# Takes connections that arrive on 127.0.0.1 only (as a worker started with --host 127.0.0.1).
+LOCAL = dataclasses.replace(F32, seed=4)
 BIG = CacheSpec(dtype="float32", num_blocks=8, num_layers=32, num_kv_heads=8, head_dim=128, seed=3)
 _ids = itertools.count()
 
@@ -37,7 +40,8 @@ def tid(prefix: str) -> str:
 
 class Peers:
     def __init__(self) -> None:
-        self.rx = PeerProcess({"f32": F32, "bf16": BF16, "big": BIG})
+        self.rx = PeerProcess({"f32": F32, "bf16": BF16, "big": BIG, "local": LOCAL},
+                              options={"local": {"listen_host": "127.0.0.1"}})
         self.tx = PeerProcess(
             {"f32": CacheSpec(dtype="float32", num_blocks=NUM_BLOCKS, seed=11),
              "bf16": CacheSpec(dtype="bfloat16", num_blocks=NUM_BLOCKS, seed=12),
@@ -93,6 +97,13 @@ def assert_only(after: list[str], before: list[str], expected: dict[int, str]) -
 def moved(src_digests: list[str], src: list[int], dst: list[int]) -> dict[int, str]:
     """What destination blocks hold once src[i] was copied into dst[i]."""
     return {d: src_digests[s] for s, d in zip(src, dst, strict=True)}
+
+
+def public_ipv4() -> str | None:
+    """One of this host's global-scope IPv4 addresses, if it has any."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
+                         text=True, check=False).stdout.split()
+    return out[out.index("inet") + 1].split("/")[0] if "inet" in out else None
 
 
 def raised(peer: PeerProcess, cmd: str, *args: object, timeout: float = 15.0) -> PeerError:
@@ -339,3 +350,29 @@ def test_sender_killed_mid_transfer(peers: Peers) -> None:
     tx.call("send", "f32", rx.addresses["f32"], t2, src, dst, tok2)
     assert rx.call("wait", t2, 10.0) == 64 * BLOCK_BYTES
     assert_only(rx.call("digests", "f32"), before, moved(tx_digests, src, dst))
+
+
+def test_a_connection_off_the_listen_host_is_closed_unread(peers: Peers) -> None:
+    """UCX listens on every interface (ucxx takes a port, no address), so a transport
+    given a listen host closes each connection that arrived on another local address
+    before reading from it: dialled at this host's public address (not its listen
+    host) the transfer fails and no block changes; at 127.0.0.1 the same one lands."""
+    rx, tx = peers.rx, peers.tx
+    address = rx.addresses["local"]
+    assert address.startswith("127.0.0.1:")
+    public = public_ipv4()
+    if public is None:
+        pytest.skip("this host has no address but loopback to dial from outside it")
+    off_host = f"{public}:{address.rsplit(':', 1)[1]}"
+    src, dst = sample_ids("listen-host")
+    before, src_digests = rx.call("digests", "local"), tx.call("digests", "f32")
+    t = tid("listen-host")
+    tok = rx.call("expect", "local", t, dst)
+    err = raised(tx, "send", "f32", off_host, t, src, dst, tok, timeout=30.0)
+    assert err.type_name in ("TransferFailed", "TransferTimeout"), err
+    assert rx.call("stats", "local")["received"]["off_host_connections"] == 1
+    assert rx.call("digests", "local") == before  # not a byte landed
+    nbytes, _ = tx.call("send", "f32", address, t, src, dst, tok)
+    assert rx.call("wait", t, 10.0) == nbytes
+    assert_only(rx.call("digests", "local"), before, moved(src_digests, src, dst))
+    assert rx.call("stats", "local")["received"]["off_host_connections"] == 1
