@@ -155,6 +155,7 @@ class EngineLoop:
 
     def _on_died(self, err: BaseException) -> None:
         self.dead = err
+        self._free_changed.set()  # a reservation waiting for blocks learns it at once
         self._fail_all(EngineDead(f"engine thread died: {err!r}"))
         if self.on_death is not None:
             self.on_death(err)
@@ -162,9 +163,10 @@ class EngineLoop:
     async def wait_free_blocks(self, more_than: int, timeout: float) -> bool:
         """On the loop: until the pool has more than `more_than` free blocks (as the
         engine thread last reported; it reports each change once per iteration),
-        or `timeout` seconds passed (-> False)."""
+        or `timeout` seconds passed (-> False).  A dead engine returns at once (True: the
+        caller's next `call` raises EngineDead)."""
         deadline = self._loop.time() + timeout
-        while self.num_free_blocks <= more_than:
+        while self.num_free_blocks <= more_than and self.dead is None:
             remaining = deadline - self._loop.time()
             if remaining <= 0:
                 return False

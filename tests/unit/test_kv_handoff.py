@@ -107,3 +107,35 @@ def test_a_pool_that_stays_short_times_out() -> None:
             loop.stop()
 
     assert 0.3 <= asyncio.run(run()) < 10
+
+
+def test_a_reservation_waiting_for_blocks_learns_of_the_engines_death_at_once() -> None:
+    from services.engine_loop import EngineDead
+    from services.fault_hooks import FaultHooks
+
+    async def run() -> float:
+        engine = ShortPool(free=2, need=4)
+        crash = asyncio.Event()  # set on the loop; read by the engine thread's hook
+
+        def die() -> None:
+            if crash.is_set():
+                raise RuntimeError("injected engine-thread fault")
+
+        loop = EngineLoop(engine, asyncio.get_running_loop(),  # type: ignore[arg-type]
+                          faults=FaultHooks(engine_iteration=die))
+        loop.start()
+        try:
+            rp = remote_prefill(loop, reserve_timeout=60)
+            task = asyncio.ensure_future(rp._reserve("r", [1] * 60, SamplingParams(),
+                                                     pb.WorkerGenerateRequest()))
+            while rp.stats.waits_for_blocks == 0:
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            crash.set()
+            with pytest.raises(EngineDead):
+                await asyncio.wait_for(task, timeout=30)
+            return time.monotonic() - t0
+        finally:
+            loop.stop()
+
+    assert asyncio.run(run()) < 10  # not the 60 s reserve timeout
