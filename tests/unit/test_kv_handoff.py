@@ -67,17 +67,22 @@ def remote_prefill(loop: EngineLoop, reserve_timeout: float) -> RemotePrefill:
                          failure_policy="recompute", transfer_timeout=1.0, reserve_timeout=reserve_timeout)
 
 
+async def waiting_reservation(loop: EngineLoop) -> asyncio.Future[KVHandoff]:
+    """A reservation of 4 blocks, once it found the pool short and waits."""
+    rp = remote_prefill(loop, reserve_timeout=60)
+    task = asyncio.ensure_future(rp._reserve("r", [1] * 60, SamplingParams(), pb.WorkerGenerateRequest()))
+    while rp.stats.waits_for_blocks == 0:
+        await asyncio.sleep(0.01)
+    return task
+
+
 def test_a_short_pool_retries_when_blocks_are_freed_not_on_a_timer() -> None:
     async def run() -> tuple[KVHandoff, int, int]:
         engine = ShortPool(free=2, need=4)
         loop = EngineLoop(engine, asyncio.get_running_loop())  # type: ignore[arg-type]
         loop.start()
         try:
-            rp = remote_prefill(loop, reserve_timeout=60)
-            task = asyncio.ensure_future(rp._reserve("r", [1] * 60, SamplingParams(),
-                                                     pb.WorkerGenerateRequest()))
-            while rp.stats.waits_for_blocks == 0:
-                await asyncio.sleep(0.01)
+            task = await waiting_reservation(loop)
             await asyncio.sleep(0.5)  # a poller would have tried ~25 times by now
             attempts_while_short = engine.attempts
             await loop.call(lambda e: e.free(2))  # type: ignore[attr-defined]
@@ -125,11 +130,7 @@ def test_a_reservation_waiting_for_blocks_learns_of_the_engines_death_at_once() 
                           faults=FaultHooks(engine_iteration=die))
         loop.start()
         try:
-            rp = remote_prefill(loop, reserve_timeout=60)
-            task = asyncio.ensure_future(rp._reserve("r", [1] * 60, SamplingParams(),
-                                                     pb.WorkerGenerateRequest()))
-            while rp.stats.waits_for_blocks == 0:
-                await asyncio.sleep(0.01)
+            task = await waiting_reservation(loop)
             t0 = time.monotonic()
             crash.set()
             with pytest.raises(EngineDead):
