@@ -225,9 +225,9 @@ class EngineLoop:
         """Frees the requests a failed step may have broken, except those whose
         blocks a KV transfer may still be writing (invariant 3): their RPC gets the
         error, cancels the transfer, and only then aborts them."""
-        for rid, req in list(self.engine.scheduler.requests.items()):
+        for request_id, req in list(self.engine.scheduler.requests.items()):
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.engine.abort(rid)
+                self.engine.abort(request_id)
 
     def _publish_cache_events(self) -> None:
         """Batched per step, handed to the loop: nothing of it on the step's path."""
