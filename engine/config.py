@@ -137,3 +137,30 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+
+def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
+                  device: str = ModelConfig.device, seed: int = ModelConfig.seed,
+                  num_threads: int | None = None, attention_backend: str = ModelConfig.attention_backend,
+                  block_size: int = CacheConfig.block_size,
+                  kv_cache_memory: float = CacheConfig.kv_cache_memory,
+                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                  num_blocks: int | None = None, max_model_len: int | None = None,
+                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                  scheduling_policy: str = SchedulerConfig.policy,
+                  speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None) -> EngineConfig:
+    """The one mapping from flat options (`LLM(...)` keywords, worker flags) to the
+    nested config; the defaults are the dataclasses' own.  max_model_len None: the
+    model's context (the engine caps it).  Raises ValueError naming the field."""
+    speculative = (speculative_config if isinstance(speculative_config, SpeculativeConfig)
+                   else SpeculativeConfig.from_dict(speculative_config))
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
+                          attention_backend=attention_backend),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                          enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len or 1 << 30,
+                                  policy=scheduling_policy),  # type: ignore[arg-type]
+        speculative=speculative)

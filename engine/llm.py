@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, engine_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -22,26 +22,26 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: float = 0.25, num_blocks: int | None = None,
-                 scheduling_policy: str = "fcfs", seed: int = 0, device: str = "auto",
-                 num_threads: int | None = None, attention_backend: str = "auto",
+    def __init__(self, model: str | None = None, dtype: str = ModelConfig.dtype,
+                 block_size: int = CacheConfig.block_size,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 max_model_len: int | None = None, max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 kv_cache_memory: float = CacheConfig.kv_cache_memory, num_blocks: int | None = None,
+                 scheduling_policy: str = SchedulerConfig.policy, seed: int = ModelConfig.seed,
+                 device: str = ModelConfig.device, num_threads: int | None = None,
+                 attention_backend: str = ModelConfig.attention_backend,
                  speculative_config: dict[str, Any] | None = None) -> None:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}."""
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
-                              num_threads=num_threads, attention_backend=attention_backend),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len or 1 << 30,
-                                      policy=scheduling_policy),  # type: ignore[arg-type]
-            speculative=SpeculativeConfig.from_dict(speculative_config))
+        config = engine_config(
+            model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+            num_blocks=num_blocks, scheduling_policy=scheduling_policy, seed=seed, device=device,
+            num_threads=num_threads, attention_backend=attention_backend,
+            speculative_config=speculative_config)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -12,6 +12,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GrammarCompiler
 from engine.hashing import extra_keys
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_handoff import KVHandoff
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_tokenizer, model_name, resolve_model
 from engine.outputs import Logprob, PositionLogprobs, StepOutput
@@ -118,17 +119,16 @@ class LLMEngine:
 
     def reserve_remote(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                        *, priority: int = 0, cache_salt: str | None = None,
-                       num_resumed_tokens: int = 0) -> Request | None:
+                       num_resumed_tokens: int = 0) -> KVHandoff | None:
         """Decode worker: reserve blocks for a prompt whose KV a prefill worker
-        will send.  None: no room now (nothing changed).  The request's block
-        table is `self.kv.block_ids(request_id)`; blocks from
-        num_computed_tokens // block_size on are the ones to fill."""
+        will send; the handoff names them.  None: no room now (nothing changed)."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                                 num_resumed_tokens=num_resumed_tokens)
-        if self.scheduler.reserve_remote(req) is None:
+        block_ids = self.scheduler.reserve_remote(req)
+        if block_ids is None:
             return None
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
-        return req
+        return KVHandoff(request_id, tuple(block_ids), req.num_computed_tokens // self.kv.block_size)
 
     def remote_kv_landed(self, request_id: str, first_token: SampledToken) -> StepOutput:
         req = self.scheduler.remote_kv_landed(request_id, first_token)

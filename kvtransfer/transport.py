@@ -108,6 +108,7 @@ class KVTransport:
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float | None = None, *,
                token: bytes) -> asyncio.Future[int]:
         """Receive transfer `transfer_id` into kv_cache[block_ids[i]] (block i of the sender's list).
+        The services use the request's id as its transfer id.
 
         token: the one-time secret (wire.new_transfer_token()) the sender must present; a header
         without it is refused before any receive is posted, and the invitation stays open.
@@ -124,16 +125,17 @@ class KVTransport:
         with TransferCancelled unless it had already finished.  Unknown ids are ignored."""
         await self._receiver.cancel(transfer_id)
 
-    async def send(self, peer_address: str, transfer_id: str, src_block_ids: Sequence[int],
+    async def send(self, kv_address: str, transfer_id: str, src_block_ids: Sequence[int],
                    dst_block_ids: Sequence[int], token: bytes = b"") -> int:
-        """Send kv_cache[src[i]] into the peer's block dst[i]; returns the bytes sent.
+        """Send kv_cache[src[i]] into block dst[i] of the peer listening at kv_address (its
+        `address`); returns the bytes sent.
         token: the one the receiver issued for this transfer (without it the peer refuses).
 
         Raises TransferRejected (the peer did not expect it), TransferTimeout, TransferFailed,
         or LayoutMismatch (the peer serves another layout: a deployment error).  When it returns
         or raises, the source blocks are no longer read."""
         self._check_open()
-        return await self._sender.send(peer_address, transfer_id, src_block_ids, dst_block_ids, token)
+        return await self._sender.send(kv_address, transfer_id, src_block_ids, dst_block_ids, token)
 
     async def close(self) -> None:
         """Fail pending receives, stop sends in flight, drop all connections.  Call

@@ -15,8 +15,12 @@ with `--cpus LIST` before it starts any threads of its own.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -108,3 +112,15 @@ def pin_process(cpus: list[int]) -> None:
     for tid in tids:
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(tid, cpus)
+
+
+def pin_worker(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """Pins the process to --cpus before the engine starts its threads; the
+    flags with --num-threads defaulted to the number of those cores."""
+    try:
+        cpus = parse_cpu_list(args.cpus)
+        pin_process(cpus)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"splitserve {role}: --cpus {args.cpus}: {e}") from None
+    log.info("pinned to cpus %s", args.cpus)
+    return argparse.Namespace(**{**vars(args), "num_threads": args.num_threads or len(cpus)})

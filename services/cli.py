@@ -13,40 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from services.help_format import with_defaults
+from services.worker_flags import add_engine_args, engine_kwargs
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when there is a GPU)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", type=float, default=0.25,
-                   help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context)")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens in one engine step (longer prompts are prefilled in chunks)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: first come first served; priority: lower `priority` first, preempting")
-    g.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt blocks")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--seed", type=int, default=0, help="seed of requests that bring none")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                scheduling_policy=args.scheduling_policy,
-                enable_prefix_caching=not args.no_prefix_caching,
-                num_threads=args.num_threads, seed=args.seed)
+__all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]  # engine flags: worker_flags.py
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

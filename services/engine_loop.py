@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from engine.block_pool import CacheEvent
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.request import RequestStatus
+from services.fault_hooks import FaultHooks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,7 +43,7 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 crash_file: str | None = None, step_fail_file: str | None = None) -> None:
+                 faults: FaultHooks | None = None) -> None:
         self.engine = engine
         self._loop = loop
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -56,11 +56,12 @@ class EngineLoop:
         self.on_death: Callable[[BaseException], None] | None = None
         self.dead: BaseException | None = None  # set on the loop when the thread died
         self._died: BaseException | None = None  # set by the thread itself, before it ends
-        # Test-only fault hooks (hidden worker flags): while crash_file exists the
-        # thread raises outside step(), as an engine bug would; when step_fail_file
-        # exists the next step raises (once: the file is removed).
-        self._crash_file = crash_file
-        self._step_fail_file = step_fail_file
+        self._faults = faults or FaultHooks()  # tests only (services/fault_hooks.py)
+        # The pool's free blocks as of the thread's last report, read on the loop;
+        # `_free_changed` is set (and replaced) with each new report.
+        self.num_free_blocks = engine.kv.num_free_blocks
+        self._free_reported = self.num_free_blocks  # the thread's side of the same number
+        self._free_changed = asyncio.Event()
 
     def start(self) -> None:
         self._thread.start()
@@ -154,18 +155,36 @@ class EngineLoop:
 
     def _on_died(self, err: BaseException) -> None:
         self.dead = err
+        self._free_changed.set()  # a reservation waiting for blocks learns it at once
         self._fail_all(EngineDead(f"engine thread died: {err!r}"))
         if self.on_death is not None:
             self.on_death(err)
 
-    def _check_fault(self) -> None:
-        if self._crash_file is not None and os.path.exists(self._crash_file):
-            raise RuntimeError(f"injected engine-thread fault ({self._crash_file} exists)")
+    async def wait_free_blocks(self, more_than: int, timeout: float) -> bool:
+        """On the loop: until the pool has more than `more_than` free blocks (as the
+        engine thread last reported; it reports each change once per iteration),
+        or `timeout` seconds passed (-> False).  A dead engine returns at once (True: the
+        caller's next `call` raises EngineDead)."""
+        deadline = self._loop.time() + timeout
+        while self.num_free_blocks <= more_than and self.dead is None:
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._free_changed.wait(), remaining)
+        return True
 
-    def _check_step_fault(self) -> None:
-        if self._step_fail_file is not None and os.path.exists(self._step_fail_file):
-            os.unlink(self._step_fail_file)
-            raise RuntimeError(f"injected step failure ({self._step_fail_file})")
+    def _report_free_blocks(self) -> None:
+        """On the engine thread, after each iteration: hand a changed free-block count to the loop."""
+        free = self.engine.kv.num_free_blocks
+        if free != self._free_reported:
+            self._free_reported = free
+            self._loop.call_soon_threadsafe(self._free_blocks_now, free)
+
+    def _free_blocks_now(self, free: int) -> None:
+        self.num_free_blocks = free
+        changed, self._free_changed = self._free_changed, asyncio.Event()
+        changed.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -176,10 +195,12 @@ class EngineLoop:
                 except queue.Empty:
                     break
                 cmd.run()
-            self._check_fault()
+            if self._faults.engine_iteration is not None:
+                self._faults.engine_iteration()  # raising here kills the thread, as an engine bug would
             if self.engine.has_unfinished():
                 try:
-                    self._check_step_fault()
+                    if self._faults.before_step is not None:
+                        self._faults.before_step()
                     outs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the worker
                     log.exception("engine step failed")
@@ -192,6 +213,7 @@ class EngineLoop:
                 elif self.engine.scheduler.num_running or self.engine.scheduler.num_waiting:
                     idle = False  # a prefill chunk ran without sampling
             self._publish_cache_events()
+            self._report_free_blocks()
             if idle:
                 try:  # sleep until a command arrives (requests waiting for remote KV need one)
                     cmd = self._cmds.get(timeout=0.02)
@@ -203,9 +225,9 @@ class EngineLoop:
         """Frees the requests a failed step may have broken, except those whose
         blocks a KV transfer may still be writing (invariant 3): their RPC gets the
         error, cancels the transfer, and only then aborts them."""
-        for rid, req in list(self.engine.scheduler.requests.items()):
+        for request_id, req in list(self.engine.scheduler.requests.items()):
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.engine.abort(rid)
+                self.engine.abort(request_id)
 
     def _publish_cache_events(self) -> None:
         """Batched per step, handed to the loop: nothing of it on the step's path."""

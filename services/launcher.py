@@ -26,6 +26,11 @@ from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, c
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
 from services.tracing import add_tracing_args
+from services.worker_flags import (
+    DEFAULT_KV_TRANSFER_TIMEOUT_S,
+    DEFAULT_LOCAL_PREFILL_THRESHOLD,
+    KV_FAILURE_POLICIES,
+)
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed", "num_blocks")
@@ -196,11 +201,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
                    help="how the frontend picks workers (kv-aware: where the prompt's prefix is cached)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
-    g.add_argument("--local-prefill-threshold", type=int, default=64,
+    g.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
                    help="prompts with fewer tokens are prefilled on the decode worker")
-    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
+    g.add_argument("--kv-failure-policy", choices=KV_FAILURE_POLICIES, default=KV_FAILURE_POLICIES[0],
                    help="a failed KV transfer: recompute the prompt on the decode worker, or fail it")
-    g.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds per KV transfer")
+    g.add_argument("--kv-transfer-timeout", type=float, default=DEFAULT_KV_TRANSFER_TIMEOUT_S,
+                   help="seconds per KV transfer")
     g.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each process may take to become ready (a first start compiles kernels)")
     g.add_argument("--max-restarts", type=int, default=5,

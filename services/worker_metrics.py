@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from engine.outputs import StepOutput
 
 if TYPE_CHECKING:
-    from services.worker import WorkerState
+    from protos import pb
 
 LABELS = ("model_name", "worker_id", "role")
 # Milliseconds to minutes: a decode step is ~10-100 ms here, a long prompt's
@@ -63,11 +63,21 @@ _HELP = {"prompt_tokens_computed": "prompt tokens this worker computed (prefix-c
          "kv_transfer_bytes": "KV bytes moved between workers (received on decode, sent on prefill)"}
 
 
+class LoadSource(Protocol):
+    """What the scrape-time collector reads (a worker's WorkerState)."""
+
+    role: str
+    worker_id: str
+
+    def load(self) -> pb.LoadReport: ...
+
+    def accepted_per_position(self) -> list[int]: ...
+
+
 class WorkerMetrics:
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
+    def __init__(self, source: LoadSource, model_id: str) -> None:
         self.registry = CollectorRegistry()
-        labels = (state.engine.engine.model_id, state.worker_id, state.role)
+        labels = (model_id, source.worker_id, source.role)
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -95,7 +105,7 @@ class WorkerMetrics:
         self._success = Counter("splitserve_request_success", "finished requests by finish reason",
                                 (*LABELS, "finished_reason"), registry=r)
         self._labels = labels
-        r.register(_LoadCollector(state, labels))
+        r.register(_LoadCollector(source, labels))
 
     def request_success(self, reason: str) -> None:
         self._success.labels(*self._labels, reason).inc()
@@ -153,12 +163,12 @@ class RequestClock:
 class _LoadCollector(Collector):
     """Gauges and engine counters, read from the load report at scrape time."""
 
-    def __init__(self, state: WorkerState, labels: tuple[str, str, str]) -> None:
-        self.state = state
+    def __init__(self, source: LoadSource, labels: tuple[str, str, str]) -> None:
+        self.source = source
         self.labels = list(labels)
 
     def collect(self) -> Iterator[Metric]:
-        r = self.state.load()
+        r = self.source.load()
         gauges = {"num_requests_running": (r.running, "requests in the running batch"),
                   "num_requests_waiting": (r.waiting, "requests waiting to be scheduled"),
                   "num_prompt_tokens_waiting": (r.queued_prompt_tokens,
@@ -185,8 +195,7 @@ class _LoadCollector(Collector):
         per_pos = CounterMetricFamily("splitserve_spec_decode_num_accepted_tokens_per_pos",
                                       "accepted draft tokens by their position in the draft",
                                       labels=[*LABELS, "position"])
-        spec = self.state.engine.engine.spec
-        for pos, accepted in enumerate(list(spec.stats.accepted_per_position) if spec is not None else []):
+        for pos, accepted in enumerate(self.source.accepted_per_position()):
             per_pos.add_metric([*self.labels, str(pos)], accepted)
         yield per_pos
 

@@ -8,15 +8,13 @@ from protos import pb_grpc
 from services.decode.servicer import DecodeServicer
 from services.help_format import DefaultsHelpFormatter
 from services.worker import add_worker_args, run_worker
+from services.worker_flags import add_decode_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve decode", formatter_class=DefaultsHelpFormatter)
     add_worker_args(p, "decode")
-    p.add_argument("--local-prefill-threshold", type=int, default=64,
-                   help="prompts with fewer tokens than this are prefilled here")
-    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
-                   help="a failed KV transfer: recompute the prompt here, or fail the request")
+    add_decode_args(p)
     return p
 
 

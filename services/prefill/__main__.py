@@ -14,7 +14,6 @@ from services.worker import add_worker_args, run_worker
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve prefill", formatter_class=DefaultsHelpFormatter)
     add_worker_args(p, "prefill")
-    p.add_argument("--fault-send-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p
 
 
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     run_worker(args, "prefill",
                lambda state, transport, peers, token: PrefillServicer(
-                   state, transport, fault_send_delay=args.fault_send_delay,
+                   state, transport,
                    decodes=KnownDecodeListeners(peers, token, state.engine.engine.model_id)),
                pb_grpc.add_PrefillServicer_to_server, "splitserve.v1.Prefill")
 

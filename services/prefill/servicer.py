@@ -11,16 +11,17 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from engine.kv_handoff import KVHandoff
+from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.kv_layout import layout_mismatch
 from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
-from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
+from services.worker import WorkerRPCs, WorkerState, abort_with
 from services.worker_tracing import PrefillTrace
 
 log = logging.getLogger(__name__)
-
-_LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
 
 @dataclass
@@ -32,15 +33,9 @@ class PrefillStats:
     unknown_decode_refusals: int = 0  # kv_address was no known decode worker's UCX listener
 
 
-def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
-    diffs = [f"{f}: prefill has {getattr(mine, f)!r}, decode has {getattr(theirs, f)!r}"
-             for f in _LAYOUT_FIELDS if getattr(mine, f) != getattr(theirs, f)]
-    return "; ".join(diffs) or None
-
-
 class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
-    def __init__(self, state: WorkerState, transport,  # type: ignore[no-untyped-def]
-                 fault_send_delay: float = 0.0, decodes: KnownDecodeListeners | None = None) -> None:
+    def __init__(self, state: WorkerState, transport: KVTransport,
+                 decodes: KnownDecodeListeners | None = None) -> None:
         self.state = state
         self.transport = transport
         self.decodes = decodes or KnownDecodeListeners(KnownPeers("decode"), None,
@@ -48,17 +43,15 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
         self.stats = PrefillStats()
         self._sends: dict[str, asyncio.Task[int]] = {}  # request id -> its KV transfer in flight
         self._aborted: set[str] = set()  # Abort RPCs whose Prefill has not ended yet
-        # Fault injection for tests (a hung sender is otherwise hard to cause).
-        self.fault_send_delay = fault_send_delay
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: draining (shutting down); use another")
         loop = self.state.engine
-        mismatch = layout_mismatch(layout_proto(loop.engine), request.layout)
+        mismatch = layout_mismatch(self.state.layout, request.layout)
         if mismatch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         if not await self.decodes.knows(request.kv_address):  # before any work: push to no stranger
             self.stats.unknown_decode_refusals += 1
             log.warning("refused Prefill %s: kv_address %r is no known decode worker's",
@@ -72,7 +65,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id
+        request_id = request.request_id
+        try:
+            handoff = KVHandoff(request_id, tuple(request.dst_block_ids), request.first_block)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
         if params.guided is not None:  # compile (or find cached) here, not on the engine thread
             try:
@@ -82,14 +79,15 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
         trace = None
         if self.state.tracing.enabled:
             trace = PrefillTrace(self.state.tracing, context.invocation_metadata(),
-                                 worker_id=self.state.worker_id, request_id=rid, num_prompt_tokens=len(ids))
+                                 worker_id=self.state.worker_id, request_id=request_id,
+                                 num_prompt_tokens=len(ids))
         answered = False
         clock = self.state.metrics.clock(len(ids)) if self.state.metrics is not None else None
-        q = loop.open_stream(rid)
+        q = loop.open_stream(request_id)
         t0 = time.monotonic()
         try:
             try:
-                await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
+                await loop.call(lambda e: e.add_request(request_id, ids, params, priority=request.priority,
                                                         cache_salt=request.cache_salt or None,
                                                         hold_blocks=True,
                                                         num_resumed_tokens=request.resumed_output_tokens))
@@ -105,52 +103,51 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             if trace is not None:
                 trace.prefilled(trace.start_ns, out.num_cached_tokens,
                                 loop.engine.config.scheduler.max_num_batched_tokens)
-            src = await loop.call(lambda e: e.held_block_ids(rid))
-            first = request.first_block
-            dst = list(request.dst_block_ids)
-            if len(src) != len(dst):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"dst_block_ids: {len(dst)} blocks for a prompt of {len(src)}")
+            try:
+                src, dst = handoff.pair(await loop.call(lambda e: e.held_block_ids(request_id)))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             t1 = time.monotonic()
             t1_ns = now_ns() if trace is not None else 0
-            if self.fault_send_delay:
-                await asyncio.sleep(self.fault_send_delay)
-            if rid in self._aborted:
-                await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
-            send = self._sends[rid] = asyncio.ensure_future(self.transport.send(
-                request.kv_address, rid, src[first:], dst[first:], request.kv_token))
+            if self.state.faults.before_kv_send is not None:
+                await self.state.faults.before_kv_send(request_id)
+            if request_id in self._aborted:
+                await context.abort(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
+            send = self._sends[request_id] = asyncio.ensure_future(self.transport.send(
+                request.kv_address, request_id, src, dst, request.kv_token))
             try:
                 nbytes = await send
             except asyncio.CancelledError:
-                if rid not in self._aborted:
+                if request_id not in self._aborted:
                     raise
-                await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted mid-transfer")
+                await context.abort(grpc.StatusCode.CANCELLED,
+                                    f"request {request_id!r} was aborted mid-transfer")
             except Exception as e:  # noqa: BLE001 - any transport failure is the decode side's to handle
                 self.stats.transfer_failures += 1
                 if trace is not None:
-                    trace.sent(t1_ns, request.kv_address, len(src) - first, 0, error=str(e))
+                    trace.sent(t1_ns, request.kv_address, len(src), 0, error=str(e))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             self.stats.prefills += 1
-            self.stats.blocks_sent += len(src) - first
+            self.stats.blocks_sent += len(src)
             self.stats.bytes_sent += nbytes
             if self.state.metrics is not None:
                 self.state.metrics.kv_transfer_seconds.observe(time.monotonic() - t1)
             if trace is not None:
-                trace.sent(t1_ns, request.kv_address, len(src) - first, nbytes)
+                trace.sent(t1_ns, request.kv_address, len(src), nbytes)
             answered = True
             token = out.new_token_ids[0]
             first_token = (logprobs_to_proto(token, out.new_logprobs[0]) if out.new_logprobs
                            else pb.TokenLogprobs(token_id=token))
             return pb.PrefillResponse(first_token=first_token, cached_tokens=out.num_cached_tokens,
-                                      bytes_sent=nbytes, blocks_sent=len(src) - first,
+                                      bytes_sent=nbytes, blocks_sent=len(src),
                                       transfer_seconds=time.monotonic() - t1, prefill_seconds=prefill_s)
         finally:
             if trace is not None:
                 trace.end(None if answered else "prefill failed or was cancelled")
-            self._sends.pop(rid, None)
-            self._aborted.discard(rid)
-            loop.close_stream(rid)
-            await loop.call(lambda e: e.abort(rid))  # frees held blocks (or the unfinished request)
+            self._sends.pop(request_id, None)
+            self._aborted.discard(request_id)
+            loop.close_stream(request_id)
+            await loop.call(lambda e: e.abort(request_id))  # frees held blocks (or the unfinished request)
 
     async def before_free(self, request_id: str) -> None:
         """Abort: stop the request's send before its held blocks are freed (UCX

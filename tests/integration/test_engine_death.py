@@ -19,6 +19,7 @@ from protos import pb, pb_grpc
 from services.cluster_auth import ENV, sync_channel
 from services.convert import sampling_to_proto
 
+from ..faults import fault_env
 from .procs import FrontendProc, address, free_port, start_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,7 +47,7 @@ def test_engine_thread_death_is_never_silent(tmp_path: Path) -> None:
     env = {ENV: TOKEN}
     ports = {"d0": free_port(), "d1": free_port()}
     d0 = start_worker("decode", "d0", tmp_path, "--num-blocks", "64", "--grpc-port", str(ports["d0"]),
-                      "--fault-engine-crash-file", str(crash), env=env)
+                      env={**env, **fault_env(crash_file=crash)})
     d1 = start_worker("decode", "d1", tmp_path, "--num-blocks", "64", "--grpc-port", str(ports["d1"]),
                       env=env)
     fe = FrontendProc(tmp_path, "frontend", "--decode", f"{address(ports['d0'])},{address(ports['d1'])}",
@@ -89,7 +90,8 @@ def test_engine_thread_death_is_never_silent(tmp_path: Path) -> None:
         assert not t.is_alive(), "the request in flight hangs"
         assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
         assert d0.popen.wait(timeout=30) != 0, "a worker whose engine died must exit non-zero"
-        assert "engine thread died" in d0.tail(20000)
+        assert "fault: engine thread crashes" in d0.tail(20000)  # the hook hit...
+        assert "engine thread died" in d0.tail(20000)  # ...and the worker said what it did about it
 
         for i in range(6):  # all routed around the dead worker
             r = httpx.post(f"{fe.url}/v1/completions", timeout=120,

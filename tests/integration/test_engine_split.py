@@ -41,16 +41,14 @@ def drain(eng, request_id: str, first: list[int]) -> list[int]:  # type: ignore[
 
 def remote_generate(prefill, decode, rid: str, prompt: str, params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
     ids = decode.tokenize(prompt)
-    req = decode.reserve_remote(rid, ids, params)
-    assert req is not None
-    dst = decode.kv.block_ids(rid)
-    first_block = req.num_computed_tokens // decode.kv.block_size
+    handoff = decode.reserve_remote(rid, ids, params)
+    assert handoff is not None
+    assert list(handoff.block_ids) == decode.kv.block_ids(rid)  # the whole table, as the scheduler holds it
     p_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     prefill.add_request(rid, ids, p_params, hold_blocks=True)
     token = drain(prefill, rid, [])[0]
-    src = prefill.held_block_ids(rid)
-    assert len(src) == len(dst)
-    for s, d in zip(src[first_block:], dst[first_block:], strict=True):
+    src, dst = handoff.pair(prefill.held_block_ids(rid))
+    for s, d in zip(src, dst, strict=True):
         decode.runner.kv_cache[d].copy_(prefill.runner.kv_cache[s])
     prefill.release(rid)
     out = decode.remote_kv_landed(rid, SampledToken(token, float("nan"), 0))
@@ -80,8 +78,9 @@ def test_decode_prefix_hit_sends_only_missing_blocks(trio) -> None:  # type: ign
     single.add_request("ref", prompt, params)
     ref = drain(single, "ref", [])
     assert remote_generate(prefill, decode, "warm", prompt, params) == ref
-    req = decode.reserve_remote("again", decode.tokenize(prompt), params)
-    assert req is not None and req.num_computed_tokens > 0  # decode's own cache had the prefix
+    handoff = decode.reserve_remote("again", decode.tokenize(prompt), params)
+    assert handoff is not None and handoff.first_block > 0  # decode's own cache had the prefix
+    assert len(handoff.blocks_to_fill) == len(handoff.block_ids) - handoff.first_block
     decode.abort("again")
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
 

@@ -26,6 +26,7 @@ from protos import pb, pb_grpc
 from services.cluster_auth import ENV, METADATA_KEY, sync_channel
 from services.convert import sampling_to_proto
 
+from ..faults import fault_env
 from .procs import Listener, Proc, address, free_port, peer_flag, start_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,13 +58,12 @@ class Cluster:
         self.procs: dict[str, Proc] = {
             "d0": start_worker("decode", "d0", tmp, "--num-blocks", str(NUM_BLOCKS), "--grpc-port",
                                str(ports["d0"]), "--local-prefill-threshold", "8", "--kv-transfer-timeout",
-                               "20", "--fault-step-fail-file", str(self.step_fail_file),
-                               *peer_flag("decode", [address(ports["p0"]), address(ports["slow"])]),
-                               env=env),
+                               "20", *peer_flag("decode", [address(ports["p0"]), address(ports["slow"])]),
+                               env={**env, **fault_env(step_fail_file=self.step_fail_file)}),
             "p0": start_worker("prefill", "p0", tmp, "--num-blocks", "128", "--grpc-port", str(ports["p0"]),
                                *d0_peer, env=env),
             "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--grpc-port",
-                                 str(ports["slow"]), "--fault-send-delay", "3", *d0_peer, env=env),
+                                 str(ports["slow"]), *d0_peer, env={**env, **fault_env(send_delay=3)}),
         }
 
     def __getitem__(self, name: str) -> Proc:
@@ -291,6 +291,8 @@ def pending_victim(cluster: Cluster, offline: LLM, rid: str) -> Background:
     ids = offline.tokenizer.encode(victim(rid))
     call = Background(lambda: generate(rid, ids, cluster["slow"].address, address=cluster["d0"].address))
     wait_pending(cluster["d0"].address)
+    wait_until(lambda: f"fault: KV send of {rid} waits" in cluster["slow"].tail(1 << 20), 30,
+               "the slow sender's fault hook never held the send back")
     return call
 
 

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
+from ..faults import fault_env
 from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -41,8 +42,8 @@ def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     prefills = peer_flag("decode", [address(ports["victim"]), address(ports["slow"])])
     procs = {
         "victim": start_victim(tmp, ports["victim"], decodes),
-        "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--fault-send-delay", "4",
-                             "--grpc-port", str(ports["slow"]), *decodes),
+        "slow": start_worker("prefill", "slow", tmp, "--num-blocks", "128", "--grpc-port", str(ports["slow"]),
+                             *decodes, env=fault_env(send_delay=4)),
         "d0": start_worker("decode", "d0", tmp, "--num-blocks", "128", "--local-prefill-threshold", "8",
                            "--kv-transfer-timeout", "2", "--grpc-port", str(ports["d0"]), *prefills),
         # No transfer times out here: its recomputes come from the kills alone.
@@ -91,6 +92,7 @@ def test_transfer_timeout_recomputes(cluster, offline) -> None:  # type: ignore[
     before = next(iter(pb_grpc.DecodeStub(grpc.insecure_channel(cluster["d0"].address)).WatchLoad(
         pb.LoadRequest(interval_seconds=0.1)))).counters
     assert run(cluster["d0"].address, cluster["slow"].address, "slow-1", ids) == ref
+    assert "fault: KV send of slow-1 waits" in cluster["slow"].tail(1 << 20)  # the sender was held back
     after = next(iter(pb_grpc.DecodeStub(grpc.insecure_channel(cluster["d0"].address)).WatchLoad(
         pb.LoadRequest(interval_seconds=0.1)))).counters
     assert after["kv_transfer_recomputes"] == before["kv_transfer_recomputes"] + 1
@@ -121,6 +123,10 @@ def test_cancel_while_the_kv_is_awaited_frees_both_sides(cluster, offline) -> No
         call = pb_grpc.DecodeStub(ch).Generate(req, timeout=60)
         first_report(cluster["slow"].address, pb_grpc.PrefillStub,  # computed, blocks held for the send
                      lambda r: r.running == r.waiting == 0 and r.free_blocks < r.total_blocks)
+        deadline = time.monotonic() + 30  # the sender is held back by its fault hook
+        while "fault: KV send of cancel-me waits" not in cluster["slow"].tail(1 << 20):
+            assert time.monotonic() < deadline, cluster["slow"].tail()
+            time.sleep(0.05)
         assert first_report(d1, pb_grpc.DecodeStub, lambda r: True).kv_transfers_pending == 1
         call.cancel()
     first_report(d1, pb_grpc.DecodeStub, lambda r: r.running == r.waiting == r.kv_transfers_pending == 0)

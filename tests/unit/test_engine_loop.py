@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.outputs import StepOutput
 from services.engine_loop import EngineLoop
+from services.fault_hooks import FaultHooks
 
 
 class InstantEngine:
@@ -22,7 +23,7 @@ class InstantEngine:
         self.runnable = False
         self.steps = steps
         self.produced = 0
-        self.kv: Any = type("KV", (), {"take_events": staticmethod(lambda: [])})()
+        self.kv: Any = type("KV", (), {"take_events": staticmethod(lambda: []), "num_free_blocks": 0})()
 
     def has_unfinished(self) -> bool:
         return self.runnable
@@ -61,7 +62,7 @@ def test_output_emitted_inside_a_call_comes_before_the_next_steps() -> None:
 
 
 def test_a_dead_engine_thread_fails_every_stream_and_call_and_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """An error outside step() (here the test-only crash file) ends the thread:
+    """An error outside step() (here a fault hook) ends the thread:
     the open stream gets EngineDead, pending and later calls raise it, and
     on_death runs on the loop; nothing waits forever."""
     from services.engine_loop import EngineDead
@@ -69,7 +70,12 @@ def test_a_dead_engine_thread_fails_every_stream_and_call_and_says_so(tmp_path) 
     async def run() -> None:
         engine = InstantEngine(steps=10**9)
         crash = tmp_path / "crash"
-        loop = EngineLoop(engine, asyncio.get_running_loop(), crash_file=str(crash))  # type: ignore[arg-type]
+        def crash_once_the_file_exists() -> None:
+            if crash.exists():
+                raise RuntimeError("injected engine-thread fault")
+
+        loop = EngineLoop(engine, asyncio.get_running_loop(),  # type: ignore[arg-type]
+                          faults=FaultHooks(engine_iteration=crash_once_the_file_exists))
         died = asyncio.Event()
         loop.on_death = lambda err: died.set()
         q = loop.open_stream("r")

@@ -1,0 +1,36 @@
+"""The prefill -> decode handoff: what a decode engine reserved for a prompt
+whose KV a prefill worker computes and sends (DESIGN.md invariants 2 and 3).
+Torch-free; the PrefillRequest's `dst_block_ids` and `first_block` mirror it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    request_id: str
+    # The decode worker's whole block table for the prompt, in prompt order.
+    block_ids: tuple[int, ...]
+    # Blocks before this one the decode worker holds already (its local prefix
+    # hit): they are not sent.
+    first_block: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_block <= len(self.block_ids):
+            raise ValueError(f"first_block: {self.first_block} is not in [0, {len(self.block_ids)}]")
+
+    @property
+    def blocks_to_fill(self) -> tuple[int, ...]:
+        """The blocks the prefill worker's KV lands in."""
+        return self.block_ids[self.first_block:]
+
+    def pair(self, src_block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The prefill worker's own block table for the same prompt -> the
+        (source, destination) block ids that travel.  ValueError when the two
+        tables are not for the same prompt length."""
+        if len(src_block_ids) != len(self.block_ids):
+            raise ValueError(f"dst_block_ids: {len(self.block_ids)} blocks for a prompt of "
+                             f"{len(src_block_ids)}")
+        return list(src_block_ids[self.first_block:]), list(self.blocks_to_fill)

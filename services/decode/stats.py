@@ -1,0 +1,17 @@
+"""A decode worker's counters (its load report's extra counters and metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeStats:
+    remote_prefills: int = 0
+    local_prefills: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_recomputes: int = 0
+    kv_bytes_received: int = 0
+    waits_for_blocks: int = 0  # reservations that found the pool short and waited for blocks to free
+    unknown_prefill_refusals: int = 0  # Generate named a prefill worker this worker does not know
+    kv_transfer_seconds: float = 0.0  # total, from asking the prefill worker to the blocks landing
