@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.block_pool import CacheEvent
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.vocab.cache_events import CacheEvent
 from protos import pb
 from services.cluster_auth import add_cluster_token_arg, cluster_token, server_interceptors, warn_if_open
 from services.engine_loop import EngineDead, EngineLoop

@@ -15,7 +15,7 @@ import grpc
 
 from engine.outputs import StepOutput
 from engine.sampler import SampledToken
-from engine.sampling_params import SamplingParams
+from engine.vocab.sampling_params import SamplingParams
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel

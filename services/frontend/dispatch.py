@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 from services.convert import sampling_to_proto
 from services.frontend import errors
