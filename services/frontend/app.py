@@ -22,7 +22,7 @@ from services.frontend.model_files import model_dir as resolve_model_dir
 from services.frontend.rest import build_app
 from services.frontend.router import LoadRouter, Router
 from services.frontend.tokenizer import Tokenizer
-from services.frontend.workers import WorkerPool
+from services.frontend.worker_pool import WorkerPool
 from services.index import open_index
 from services.tracing import Tracing
 
