@@ -22,6 +22,7 @@ unit:
 lint:
 	$(PY) -m ruff check engine services kvtransfer tests benchmarks
 	$(PY) -m mypy engine services kvtransfer benchmarks
+	lint-imports --no-cache  # the import rules of docs/ARCHITECTURE.md (pyproject.toml)
 
 bench: setup
 	splitserve bench offline

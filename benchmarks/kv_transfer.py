@@ -7,7 +7,8 @@ the same bytes, in one run.
 
 A block is [30 layers, K/V, 16 tokens, 3 kv heads, 64] bf16 = 360 KiB.  The UCX
 time is one `KVTransport.send()` on a warm connection: header, READY, every
-block, DONE, measured in the sending process.
+block, DONE, measured in the sending process.  It runs from a checkout: the
+peer processes are the test suite's (tests/kv_peers.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import time
 
 import torch
 
-from kvtransfer.testing import CacheSpec, PeerProcess
 from kvtransfer.transport import DEFAULT_MAX_INFLIGHT_BYTES
+from tests.kv_peers import CacheSpec, PeerProcess
 
 
 def default_model_spec(num_blocks: int, seed: int) -> CacheSpec:

@@ -53,11 +53,31 @@ def bench_hf(model_dir: Any, dtype: Any, prompts: list[list[int]], output_len: i
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
 
 
-def main(args: argparse.Namespace) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from services.cli import add_engine_args
+    from services.help_format import with_defaults
+
+    p = argparse.ArgumentParser(prog="splitserve bench offline",
+                                description="offline throughput vs Hugging Face static batching")
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
+    p.add_argument("--min-prompt-len", type=int, default=64, help="shortest prompt, tokens")
+    p.add_argument("--max-prompt-len", type=int, default=512, help="longest prompt, tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="Hugging Face generate's static batch")
+    p.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
+    p.add_argument("--json", action="store_true", help="also print one JSON line")
+    with_defaults(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine import LLM
     from services.cli import engine_kwargs
+
+    args = build_parser().parse_args(argv)
 
     kw = engine_kwargs(args)
     if kw["num_threads"] is None:
@@ -86,3 +106,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"bench": "offline", **{k: v for k, v in rows.items()}}))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -167,8 +167,18 @@ def describe(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str
     return d
 
 
-def main(args: argparse.Namespace) -> int:
-    summary, _ = measure(args)
+def build_parser() -> argparse.ArgumentParser:
+    from services.help_format import with_defaults
+
+    p = argparse.ArgumentParser(prog="splitserve bench serve",
+                                description="latency and throughput of any OpenAI-compatible server")
+    add_serve_args(p)
+    with_defaults(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary, _ = measure(build_parser().parse_args(argv))
     return 0 if summary["completed"] else 1
 
 
@@ -201,3 +211,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestResul
     if args.plot and not plot(results, summary, args.plot, title, args.label or model):
         print("bench serve: matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
     return summary, results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,12 +1,12 @@
 """splitserve's inference engine.
 
-`LLM` is imported lazily so that torch-free users (the frontend) can import
-`engine.hashing` and `engine.sampling_params` without pulling in torch.
+`LLM` is imported lazily so that torch-free users (the frontend, the prefix
+index) can import the vocabulary, `engine.vocab`, without pulling in torch.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from engine.vocab.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM

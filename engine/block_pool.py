@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.hashing import BlockHash
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import BlockHash
 
 
 @dataclass(eq=False)
@@ -22,15 +23,6 @@ class Block:
     block_hash: BlockHash | None = None
     # Kept to double-check a hash hit against the actual tokens.
     token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class CacheEvent:
-    """What entered or left the prefix cache; published to the prefix index."""
-
-    kind: str  # "stored" | "removed" | "cleared"
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    parent: BlockHash | None = None
 
 
 class BlockPool:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopMatcher
+from engine.vocab.sampling_params import SamplingParams
 
 # Prompt tokens kept as decode context for the first output token.
 INITIAL_CONTEXT_TOKENS = 5

@@ -6,7 +6,7 @@ a nested schema with bounds, enums, a pattern and an optional object):
 compile 19 ms (llguidance 4 ms, outlines-core 413 ms), mask fill 0.01 ms per
 token on average, 0.15 ms worst (llguidance 0.23 / 3.8 ms), and its matcher
 rolls back, which verifying speculative drafts needs.  It imports torch, so
-only workers load it; the frontend validates specs with engine.guided_params.
+only workers load it; the frontend validates specs with engine.vocab.guided_params.
 
 Bitmask: [rows, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t
 allowed (xgrammar's layout; engine.sampler applies it).
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.guided_params import GuidedDecoding
+from engine.vocab.guided_params import GuidedDecoding
 
 log = logging.getLogger(__name__)
 

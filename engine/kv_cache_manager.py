@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import Block, BlockPool, CacheEvent
+from engine.block_pool import Block, BlockPool
 from engine.request import Request
+from engine.vocab.cache_events import CacheEvent
 
 
 class KVCacheManager:

@@ -1,5 +1,5 @@
 """The prefill -> decode handoff: what a decode engine reserved for a prompt
-whose KV a prefill worker computes and sends (DESIGN.md invariants 2 and 3).
+whose KV a prefill worker computes and sends (docs/ARCHITECTURE.md, invariants 2 and 3).
 Torch-free; the PrefillRequest's `dst_block_ids` and `first_block` mirror it."""
 
 from __future__ import annotations

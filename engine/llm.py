@@ -15,7 +15,7 @@ from typing import Any
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, engine_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.vocab.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]

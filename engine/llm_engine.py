@@ -10,7 +10,6 @@ from dataclasses import replace
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GrammarCompiler
-from engine.hashing import extra_keys
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_handoff import KVHandoff
 from engine.model_runner import ModelRunner
@@ -18,13 +17,14 @@ from engine.models.loader import load_tokenizer, model_name, resolve_model
 from engine.outputs import Logprob, PositionLogprobs, StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.decoder import (
     SpeculativeDecoder,
     check_speculative_config,
     make_speculative_decoder,
 )
+from engine.vocab.hashing import extra_keys
+from engine.vocab.sampling_params import SamplingParams
 
 
 class LLMEngine:

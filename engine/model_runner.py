@@ -112,7 +112,7 @@ def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     changes with the files and with the kernel's source (its packing layout)."""
     from engine.layers.cpu_attention import CSRC
     from engine.models import llama
-    from engine.models.loader import cache_dir
+    from engine.vocab.models import cache_dir
 
     h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
     h.update(Path(llama.__file__).read_bytes())  # the packing code
@@ -175,6 +175,10 @@ class ModelRunner:
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         return self._masker
+
+    def load_model(self, model_dir: Path) -> LlamaForCausalLM:
+        """Another model (a draft) in this runner's dtype, on its device."""
+        return load_model(model_dir, self.dtype, self.device)
 
     @property
     def block_bytes(self) -> int:

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.vocab.logprobs import Logprob, PositionLogprobs
 
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One generated position: token id -> its logprob (the sampled token and the top ones).
-PositionLogprobs = dict[int, Logprob]
+__all__ = ["Logprob", "PositionLogprobs", "StepOutput", "CompletionOutput", "RequestOutput"]
 
 
 @dataclass

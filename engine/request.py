@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.hashing import BlockHash, hash_blocks
-from engine.sampling_params import SamplingParams
+from engine.vocab.hashing import BlockHash, hash_blocks
+from engine.vocab.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
-
-# Temperatures below this are treated as greedy: logits / 1e-6 already makes
-# softmax one-hot, and smaller ones overflow float32 into inf - inf = nan.
-SAMPLING_EPS = 1e-5
+from engine.vocab.sampling_params import SamplingParams
 
 
 @dataclass
@@ -54,7 +50,7 @@ class SampledToken:
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < SAMPLING_EPS
+    return params.greedy  # below SAMPLING_EPS (engine/vocab/sampling_params.py)
 
 
 # ---------------------------------------------------------------- logit processors

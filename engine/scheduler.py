@@ -164,7 +164,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key(self.by_priority))
-        scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -183,7 +182,6 @@ class Scheduler:
                     break
             else:
                 out.seqs.append(self._plan(req, num_new, drafts))
-                scheduled.add(req.request_id)
                 budget -= num_new
                 i += 1
                 continue

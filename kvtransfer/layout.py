@@ -1,4 +1,4 @@
-"""What both ends of a KV transfer must agree on (DESIGN invariant 7).
+"""What both ends of a KV transfer must agree on (docs/ARCHITECTURE.md, invariant 7).
 
 A block is one contiguous region of the engine's cache
     kv_cache: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]

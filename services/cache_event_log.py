@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_pool import CacheEvent
+from engine.vocab.cache_events import CacheEvent
 from protos import pb
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from services.help_format import with_defaults
@@ -50,16 +51,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks.offline import main as bench_offline
+# `splitserve bench NAME ...` runs benchmarks/NAME.py, found by name as
+# `python -m` would find it: the product does not import the benchmarks
+# (docs/ARCHITECTURE.md), and each benchmark owns its flags.
+BENCHMARKS = {"offline": "offline throughput vs Hugging Face static batching",
+              "serve": "latency and throughput of any OpenAI-compatible server"}
 
-    return bench_offline(args)
 
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from benchmarks.serve import main as bench_serve
-
-    return bench_serve(args)
+def run_benchmark(name: str, argv: list[str]) -> int:
+    benchmark = importlib.import_module(f"benchmarks.{name}")
+    return int(benchmark.main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,24 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             p.add_argument("prompt")
         p.set_defaults(fn=fn)
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks (see `splitserve bench NAME --help`)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    off = bsub.add_parser("offline", help="offline throughput vs Hugging Face static batching")
-    add_engine_args(off)
-    off.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
-    off.add_argument("--min-prompt-len", type=int, default=64, help="shortest prompt, tokens")
-    off.add_argument("--max-prompt-len", type=int, default=512, help="longest prompt, tokens")
-    off.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
-    off.add_argument("--hf-batch-size", type=int, default=16, help="Hugging Face generate's static batch")
-    off.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
-    off.add_argument("--json", action="store_true", help="also print one JSON line")
-    off.set_defaults(fn=cmd_bench)
-    from benchmarks.serve import add_serve_args
+    for name, help_ in BENCHMARKS.items():
+        bsub.add_parser(name, help=help_, add_help=False)
     from services.export_hf import add_export_args, cmd_export_hf
 
-    srv = bsub.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
-    add_serve_args(srv)
-    srv.set_defaults(fn=cmd_bench_serve)
     exp = sub.add_parser("export-hf", help="save the model as a Hugging Face directory")
     add_export_args(exp)
     exp.set_defaults(fn=cmd_export_hf)
@@ -115,11 +104,12 @@ SERVICES = ("frontend", "prefill", "decode")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SERVICES:
-        import importlib
-
         return int(importlib.import_module(f"services.{argv[0]}.__main__").main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
+    bench = len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHMARKS
+    args = None if bench else build_parser().parse_args(argv)
     try:
+        if args is None:
+            return run_benchmark(argv[1], argv[2:])
         return int(args.fn(args) or 0)
     except ValueError as e:
         print(f"splitserve: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The cluster secret: every worker RPC carries it, every worker checks it.
 
-Workers answer only the cluster (DESIGN.md, trust model).  One shared token,
+Workers answer only the cluster (docs/ARCHITECTURE.md, trust model).  One shared token,
 given as `--cluster-token` or `SPLITSERVE_CLUSTER_TOKEN`, travels as call
 metadata on every call a cluster member makes to a worker (frontend -> workers,
 decode -> prefill, prefill -> decode Info); a worker's server interceptor

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.guided_params import GuidedDecoding
-from engine.outputs import PositionLogprobs
-from engine.sampling_params import SamplingParams
+from engine.vocab.guided_params import GuidedDecoding
+from engine.vocab.logprobs import PositionLogprobs
+from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 
 _OPTIONAL = ("n", "temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",

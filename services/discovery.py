@@ -9,7 +9,7 @@ workers serve one frontend's tokenizer):
 
 A registration says what the worker is: {"address", "role", "model_id",
 "worker_id", "layout"} and, when the cluster has a token, "mac": HMAC-SHA256
-of the rest under that token.  Redis is data, not authority (DESIGN.md): a
+of the rest under that token.  Redis is data, not authority (docs/ARCHITECTURE.md): a
 reader refuses entries whose MAC, model, role, layout or address do not check
 out, and logs and skips malformed ones (non-UTF-8, not JSON) without ever
 letting them stop it.

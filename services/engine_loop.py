@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.block_pool import CacheEvent
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.request import RequestStatus
+from engine.vocab.cache_events import CacheEvent
 from services.fault_hooks import FaultHooks
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A worker's KV layout (DESIGN.md invariant 7), built once from its engine's
+"""A worker's KV layout (docs/ARCHITECTURE.md, invariant 7), built once from its engine's
 cache and carried as is: by the UCX handshake (kvtransfer), by each Prefill RPC
 (the protobuf below) and by a Redis registration (a dict).  Two workers'
 layouts are compared in one place, `kvtransfer.layout.check_compatible`."""

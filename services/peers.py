@@ -1,6 +1,6 @@
 """The peers a worker may contact: those named in its own flags, plus (with
 Redis) the verified registrations of its model and layout.  Never an address a
-caller hands it (DESIGN.md trust model): a decode worker dials only known
+caller hands it (docs/ARCHITECTURE.md, trust model): a decode worker dials only known
 prefill workers; a prefill worker pushes KV only to the UCX listener of a known
 decode worker, learned from that worker's own Info over the cluster channel."""
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, SpanKind, Tracer
 
-    from engine.sampling_params import SamplingParams
+    from engine.vocab.sampling_params import SamplingParams
 
     Parent = Span | Context | None
 

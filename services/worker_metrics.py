@@ -19,48 +19,44 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import StepOutput
+from services.observability import metric_names as names
+from services.observability.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS, TRANSFER_BUCKETS
+from services.observability.metric_names import LABELS, full
 
 if TYPE_CHECKING:
     from protos import pb
-
-LABELS = ("model_name", "worker_id", "role")
-# Milliseconds to minutes: a decode step is ~10-100 ms here, a long prompt's
-# prefill seconds, a queued request's wait up to minutes.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # Engine and transfer counters of the load report, under their metric names.
 # Every name here is exported, as 0 until it counts something (a dashboard
 # or alert should not break because, say, speculation is off).
 LOAD_COUNTERS = {
-    "prompt_tokens_computed": "prompt_tokens_computed",
-    "num_preemptions": "num_preemptions",
-    "prefix_cache_queries": "prefix_cache_queries",
-    "prefix_cache_hits": "prefix_cache_hits",
-    "spec_decode_num_drafts": "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
-    "kv_bytes_received": "kv_transfer_bytes",  # decode: bytes that landed here
-    "bytes_sent": "kv_transfer_bytes",  # prefill: bytes sent from here
-    "kv_transfer_failures": "kv_transfer_failures",
-    "transfer_failures": "kv_transfer_failures",
-    "kv_transfer_recomputes": "kv_transfer_recomputes",
-    "remote_prefills": "remote_prefills",
-    "local_prefills": "local_prefills",
-    "prefills": "prefills",
+    "prompt_tokens_computed": names.PROMPT_TOKENS_COMPUTED,
+    "num_preemptions": names.NUM_PREEMPTIONS,
+    "prefix_cache_queries": names.PREFIX_CACHE_QUERIES,
+    "prefix_cache_hits": names.PREFIX_CACHE_HITS,
+    "spec_decode_num_drafts": names.SPEC_DECODE_NUM_DRAFTS,
+    "spec_decode_num_draft_tokens": names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+    "spec_decode_num_accepted_tokens": names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+    "kv_bytes_received": names.KV_TRANSFER_BYTES,  # decode: bytes that landed here
+    "bytes_sent": names.KV_TRANSFER_BYTES,  # prefill: bytes sent from here
+    "kv_transfer_failures": names.KV_TRANSFER_FAILURES,
+    "transfer_failures": names.KV_TRANSFER_FAILURES,
+    "kv_transfer_recomputes": names.KV_TRANSFER_RECOMPUTES,
+    "remote_prefills": names.REMOTE_PREFILLS,
+    "local_prefills": names.LOCAL_PREFILLS,
+    "prefills": names.PREFILLS,
 }
 # Load counters that a per-request metric above already covers under this name.
-_SHADOWED = {"generation_tokens", "kv_transfer_seconds"}
-ALWAYS = ("prompt_tokens_computed", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-          "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-          "kv_transfer_bytes", "kv_transfer_failures", "kv_transfer_recomputes")
-_HELP = {"prompt_tokens_computed": "prompt tokens this worker computed (prefix-cache hits excluded)",
-         "num_preemptions": "requests preempted to free KV blocks",
-         "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
-         "prefix_cache_hits": "prompt tokens found in the prefix cache",
-         "kv_transfer_bytes": "KV bytes moved between workers (received on decode, sent on prefill)"}
+_SHADOWED = {names.GENERATION_TOKENS, names.KV_TRANSFER_SECONDS}
+ALWAYS = (names.PROMPT_TOKENS_COMPUTED, names.NUM_PREEMPTIONS, names.PREFIX_CACHE_QUERIES,
+          names.PREFIX_CACHE_HITS, names.SPEC_DECODE_NUM_DRAFTS, names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+          names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, names.KV_TRANSFER_BYTES, names.KV_TRANSFER_FAILURES,
+          names.KV_TRANSFER_RECOMPUTES)
+_HELP = {names.PROMPT_TOKENS_COMPUTED: "prompt tokens this worker computed (prefix-cache hits excluded)",
+         names.NUM_PREEMPTIONS: "requests preempted to free KV blocks",
+         names.PREFIX_CACHE_QUERIES: "prompt tokens looked up in the prefix cache",
+         names.PREFIX_CACHE_HITS: "prompt tokens found in the prefix cache",
+         names.KV_TRANSFER_BYTES: "KV bytes moved between workers (received on decode, sent on prefill)"}
 
 
 class LoadSource(Protocol):
@@ -81,28 +77,28 @@ class WorkerMetrics:
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"splitserve_{name}", doc, LABELS, buckets=buckets, registry=r).labels(*labels)
+            return Histogram(full(name), doc, LABELS, buckets=buckets, registry=r).labels(*labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"splitserve_{name}", doc, LABELS, registry=r).labels(*labels)
+            return Counter(full(name), doc, LABELS, registry=r).labels(*labels)
 
-        self.ttft = histogram("time_to_first_token_seconds", "arrival to first token", LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "between two outputs of a request",
+        self.ttft = histogram(names.TTFT, "arrival to first token", LATENCY_BUCKETS)
+        self.itl = histogram(names.ITL, "between two outputs of a request",
                              LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "arrival to finish", LATENCY_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "arrival to first scheduled", LATENCY_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "first scheduled to first token",
+        self.e2e = histogram(names.E2E, "arrival to finish", LATENCY_BUCKETS)
+        self.queue = histogram(names.QUEUE_TIME, "arrival to first scheduled", LATENCY_BUCKETS)
+        self.prefill = histogram(names.PREFILL_TIME, "first scheduled to first token",
                                  LATENCY_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "first token to finish", LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "prompt length per request",
+        self.decode = histogram(names.DECODE_TIME, "first token to finish", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(names.REQUEST_PROMPT_TOKENS, "prompt length per request",
                                                TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
+        self.request_generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS,
                                                    "generated tokens per request", TOKEN_BUCKETS)
-        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "one request's KV blocks, end to end",
+        self.kv_transfer_seconds = histogram(names.KV_TRANSFER_SECONDS, "one request's KV blocks, end to end",
                                              TRANSFER_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of requests served")
-        self.generation_tokens = counter("generation_tokens", "tokens generated")
-        self._success = Counter("splitserve_request_success", "finished requests by finish reason",
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "prompt tokens of requests served")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "tokens generated")
+        self._success = Counter(full(names.REQUEST_SUCCESS), "finished requests by finish reason",
                                 (*LABELS, "finished_reason"), registry=r)
         self._labels = labels
         r.register(_LoadCollector(source, labels))
@@ -169,17 +165,17 @@ class _LoadCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         r = self.source.load()
-        gauges = {"num_requests_running": (r.running, "requests in the running batch"),
-                  "num_requests_waiting": (r.waiting, "requests waiting to be scheduled"),
-                  "num_prompt_tokens_waiting": (r.queued_prompt_tokens,
+        gauges = {names.NUM_REQUESTS_RUNNING: (r.running, "requests in the running batch"),
+                  names.NUM_REQUESTS_WAITING: (r.waiting, "requests waiting to be scheduled"),
+                  names.NUM_PROMPT_TOKENS_WAITING: (r.queued_prompt_tokens,
                                                 "prompt tokens not yet computed (prefill autoscaling)"),
-                  "kv_cache_usage_perc": (1 - r.free_blocks / max(r.total_blocks, 1),
+                  names.KV_CACHE_USAGE_PERC: (1 - r.free_blocks / max(r.total_blocks, 1),
                                           "fraction of KV blocks in use (0-1)"),
-                  "kv_cache_free_blocks": (r.free_blocks, "free KV blocks"),
-                  "kv_cache_total_blocks": (r.total_blocks, "KV blocks in the pool"),
-                  "kv_transfers_pending": (r.kv_transfers_pending, "KV transfers started and not ended")}
+                  names.KV_CACHE_FREE_BLOCKS: (r.free_blocks, "free KV blocks"),
+                  names.KV_CACHE_TOTAL_BLOCKS: (r.total_blocks, "KV blocks in the pool"),
+                  names.KV_TRANSFERS_PENDING: (r.kv_transfers_pending, "KV transfers started and not ended")}
         for name, (value, doc) in gauges.items():
-            g = GaugeMetricFamily(f"splitserve_{name}", doc, labels=LABELS)
+            g = GaugeMetricFamily(full(name), doc, labels=LABELS)
             g.add_metric(self.labels, value)
             yield g
         totals = dict.fromkeys(ALWAYS, 0.0)
@@ -188,11 +184,11 @@ class _LoadCollector(Collector):
             if name not in _SHADOWED:
                 totals[name] = totals.get(name, 0.0) + value
         for name, value in sorted(totals.items()):
-            c = CounterMetricFamily(f"splitserve_{name}", _HELP.get(name, name.replace("_", " ")),
+            c = CounterMetricFamily(full(name), _HELP.get(name, name.replace("_", " ")),
                                     labels=LABELS)
             c.add_metric(self.labels, value)
             yield c
-        per_pos = CounterMetricFamily("splitserve_spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily(full(names.SPEC_DECODE_ACCEPTED_PER_POS),
                                       "accepted draft tokens by their position in the draft",
                                       labels=[*LABELS, "position"])
         for pos, accepted in enumerate(self.source.accepted_per_position()):

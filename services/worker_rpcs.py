@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.block_pool import CacheEvent
+from engine.vocab.cache_events import CacheEvent
 from protos import pb
 from services.cache_event_log import cache_events_proto
 from services.engine_loop import EngineDead

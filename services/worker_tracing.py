@@ -32,7 +32,7 @@ from services.tracing import (
 
 if TYPE_CHECKING:
     from engine.outputs import StepOutput
-    from engine.sampling_params import SamplingParams
+    from engine.vocab.sampling_params import SamplingParams
 
 
 class _CallTrace:

@@ -37,7 +37,7 @@ def build(name: str, source: Path) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        from engine.models.loader import cache_dir
+        from engine.vocab.models import cache_dir
 
         # One folder per extension and source version: checkouts with different
         # sources (branches, worktrees) never rebuild over each other's build.

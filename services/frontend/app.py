@@ -13,15 +13,16 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from engine.models.loader import model_name, resolve_model
+from engine.vocab.models import model_name
 from services.frontend.config import FrontendConfig
 from services.frontend.core import Frontend
 from services.frontend.grpc_service import build_grpc_server, set_serving
 from services.frontend.kv_router import KVAwareRouter, RandomRouter, RoundRobinRouter
+from services.frontend.model_files import model_dir as resolve_model_dir
 from services.frontend.rest import build_app
 from services.frontend.router import LoadRouter, Router
 from services.frontend.tokenizer import Tokenizer
-from services.frontend.workers import WorkerPool
+from services.frontend.worker_pool import WorkerPool
 from services.index import open_index
 from services.tracing import Tracing
 
@@ -48,7 +49,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
 
     # Resolving the default model converts its GGUF once (the workers do the same);
     # after that it is a directory lookup.
-    model_dir = await asyncio.to_thread(resolve_model, config.model)
+    model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
     tokenizer = Tokenizer(model_dir)
     name = config.served_model_name or model_name(config.model)
     index = open_index(model_name(config.model), config.redis_url)

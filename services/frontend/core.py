@@ -18,10 +18,10 @@ from services.frontend.dispatch import Dispatcher
 from services.frontend.errors import APIError
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan, Preparer
+from services.frontend.request_run import RequestRun
 from services.frontend.router import LoadRouter, Router
-from services.frontend.runner import RequestRun
 from services.frontend.tokenizer import Tokenizer
-from services.frontend.workers import WorkerPool
+from services.frontend.worker_pool import WorkerPool
 from services.tracing import Carrier, Tracing
 
 T = TypeVar("T")

@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 from services.convert import sampling_to_proto
 from services.frontend import errors
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
+from services.frontend.results import Event
 from services.frontend.router import Router, RouteRequest
-from services.frontend.workers import Worker, WorkerPool
+from services.frontend.worker_pool import Worker, WorkerPool
 from services.tracing import now_ns
 
 if TYPE_CHECKING:
@@ -50,12 +51,6 @@ class Job:
             sampling=sampling_to_proto(self.params), priority=self.priority,
             cache_salt=self.cache_salt, prefill_address=prefill_address,
             resumed_output_tokens=self.resumed_tokens)
-
-
-@dataclass(frozen=True)
-class Event:
-    index: int
-    msg: pb.WorkerGenerateResponse
 
 
 def plan_jobs(plan: Plan) -> list[Job]:

@@ -28,7 +28,7 @@ _FROM_WORKER = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RA
 # Worker errors that a retry on another decode worker cannot fix.
 _NOT_RETRYABLE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                             grpc.StatusCode.NOT_FOUND})
-# "field: message" (engine.sampling_params style); the field may carry indices: messages[0].content
+# "field: message" (engine.vocab.sampling_params style); the field may carry indices: messages[0].content
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
@@ -64,7 +64,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_value_error(err: ValueError, param: str | None = None) -> APIError:
-    """engine.sampling_params raises ValueError("field: why"); keep the field as `param`."""
+    """engine.vocab.sampling_params raises ValueError("field: why"); keep the field as `param`."""
     message = str(err)
     m = _FIELD_PREFIX.match(message)
     return APIError(400, message, param or (m.group(1) if m else None))

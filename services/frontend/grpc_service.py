@@ -20,7 +20,7 @@ from protos import pb, pb_grpc
 from services.frontend.auth import Auth
 from services.frontend.core import Frontend
 from services.frontend.errors import APIError
-from services.frontend.runner import CLIENT_CLOSED
+from services.frontend.request_run import CLIENT_CLOSED
 
 ENDPOINT = "grpc.Generate"
 SERVICE_NAME = "splitserve.v1.Frontend"

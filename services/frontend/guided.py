@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.guided_params import GuidedDecoding
+from engine.vocab.guided_params import GuidedDecoding
 from services.frontend.errors import bad_request, from_value_error
 from services.frontend.protocol import _SamplingFields
 

@@ -10,7 +10,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from engine.hashing import extra_keys, hash_blocks
+from engine.vocab.hashing import extra_keys, hash_blocks
 from services.frontend.router import LoadRouter, Route, RouteRequest, WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex
 

@@ -9,13 +9,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.frontend.router import Router
-from services.frontend.workers import WorkerPool
-from services.worker_metrics import LABELS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from services.frontend.worker_pool import WorkerPool
+from services.observability import metric_names as names
+from services.observability.buckets import LATENCY_BUCKETS, LOOKUP_BUCKETS, TOKEN_BUCKETS
+from services.observability.metric_names import LABELS, full
 
 if TYPE_CHECKING:
     from services.frontend.results import Usage
-
-_LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 class _WorkerCollector(Collector):
@@ -26,20 +26,20 @@ class _WorkerCollector(Collector):
 
     def collect(self):  # type: ignore[no-untyped-def]
         labels = ["worker", "role"]
-        healthy = GaugeMetricFamily("splitserve_worker_healthy", "1 when the worker's load stream is up",
+        healthy = GaugeMetricFamily(full(names.WORKER_HEALTHY), "1 when the worker's load stream is up",
                                     labels=labels)
-        running = GaugeMetricFamily("splitserve_worker_running_requests", "last reported", labels=labels)
-        waiting = GaugeMetricFamily("splitserve_worker_waiting_requests", "last reported", labels=labels)
-        free = GaugeMetricFamily("splitserve_worker_free_blocks", "last reported free KV blocks",
+        running = GaugeMetricFamily(full(names.WORKER_RUNNING_REQUESTS), "last reported", labels=labels)
+        waiting = GaugeMetricFamily(full(names.WORKER_WAITING_REQUESTS), "last reported", labels=labels)
+        free = GaugeMetricFamily(full(names.WORKER_FREE_BLOCKS), "last reported free KV blocks",
                                  labels=labels)
-        indexed = GaugeMetricFamily("splitserve_worker_indexed_blocks",
+        indexed = GaugeMetricFamily(full(names.WORKER_INDEXED_BLOCKS),
                                     "prefix-cache blocks this frontend knows the worker holds", labels=labels)
-        routed = CounterMetricFamily("splitserve_worker_requests_routed",
+        routed = CounterMetricFamily(full(names.WORKER_REQUESTS_ROUTED),
                                      "requests this frontend routed to the worker", labels=labels)
         # The worker's own prefix-cache counters (prompt tokens), as of its last report.
-        queries = CounterMetricFamily("splitserve_worker_prefix_cache_queries",
+        queries = CounterMetricFamily(full(names.WORKER_PREFIX_CACHE_QUERIES),
                                       "prompt tokens looked up in the worker's prefix cache", labels=labels)
-        hits = CounterMetricFamily("splitserve_worker_prefix_cache_hits",
+        hits = CounterMetricFamily(full(names.WORKER_PREFIX_CACHE_HITS),
                                    "prompt tokens found in the worker's prefix cache", labels=labels)
         for w in self.pool.all:
             key = [w.worker_id, w.role]
@@ -64,12 +64,12 @@ class _RouterCollector(Collector):
         self.labels = labels
 
     def collect(self):  # type: ignore[no-untyped-def]
-        decisions = CounterMetricFamily("splitserve_router_decisions",
+        decisions = CounterMetricFamily(full(names.ROUTER_DECISIONS),
                                         "prefill routing decisions by what decided them",
                                         labels=[*LABELS, "reason"])
         for reason, count in sorted(getattr(self.router, "decisions", {}).items()):
             decisions.add_metric([*self.labels, reason], count)
-        fallbacks = CounterMetricFamily("splitserve_index_fallbacks",
+        fallbacks = CounterMetricFamily(full(names.INDEX_FALLBACKS),
                                         "routes made on load alone because the prefix index failed",
                                         labels=LABELS)
         fallbacks.add_metric(self.labels, getattr(self.router, "index_fallbacks", 0))
@@ -87,46 +87,47 @@ class Metrics:
         base = [model_name, frontend_id, "frontend"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
-            h = Histogram(f"splitserve_{name}", doc, [*LABELS, *extra], buckets=buckets, registry=r)
+            h = Histogram(full(name), doc, [*LABELS, *extra], buckets=buckets, registry=r)
             return h if extra else h.labels(*base)
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
-            c = Counter(f"splitserve_{name}", doc, [*LABELS, *extra], registry=r)
+            c = Counter(full(name), doc, [*LABELS, *extra], registry=r)
             return c if extra else c.labels(*base)
 
         self.base = base
-        self.requests = Counter("splitserve_frontend_requests", "finished requests by HTTP status",
+        self.requests = Counter(full(names.FRONTEND_REQUESTS), "finished requests by HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self._ttft = histogram("time_to_first_token_seconds", "arrival to first token of the first choice",
+        self._ttft = histogram(names.TTFT, "arrival to first token of the first choice",
                                LATENCY_BUCKETS, "endpoint")
-        self._e2e = histogram("e2e_request_latency_seconds", "arrival to last token", LATENCY_BUCKETS,
+        self._e2e = histogram(names.E2E, "arrival to last token", LATENCY_BUCKETS,
                               "endpoint")
-        self.itl = histogram("inter_token_latency_seconds", "between two outputs of one choice",
+        self.itl = histogram(names.ITL, "between two outputs of one choice",
                              LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "prompt tokens per request",
+        self.request_prompt_tokens = histogram(names.REQUEST_PROMPT_TOKENS, "prompt tokens per request",
                                                TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
+        self.request_generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS,
                                                    "generated tokens per request", TOKEN_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
-        self.generation_tokens = counter("generation_tokens", "tokens generated for finished requests")
-        self.cached_tokens = counter("cached_prompt_tokens", "prompt tokens the workers did not recompute")
-        self._success = counter("request_success", "finished choices by finish reason", "finished_reason")
-        self.requests_migrated = counter("requests_migrated",
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "prompt tokens of finished requests")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "tokens generated for finished requests")
+        self.cached_tokens = counter(names.CACHED_PROMPT_TOKENS,
+                                     "prompt tokens the workers did not recompute")
+        self._success = counter(names.REQUEST_SUCCESS, "finished choices by finish reason", "finished_reason")
+        self.requests_migrated = counter(names.REQUESTS_MIGRATED,
                                          "streams resumed on another decode worker mid-generation")
-        self.in_flight = Gauge("splitserve_frontend_requests_in_flight", "requests being served",
+        self.in_flight = Gauge(full(names.FRONTEND_REQUESTS_IN_FLIGHT), "requests being served",
                                registry=r)
-        self.waiting = Gauge("splitserve_frontend_requests_waiting",
+        self.waiting = Gauge(full(names.FRONTEND_REQUESTS_WAITING),
                              "admitted choices (prompts x n) not yet at their first token", registry=r)
-        self.worker_retries = Counter("splitserve_worker_retries",
+        self.worker_retries = Counter(full(names.WORKER_RETRIES),
                                       "worker calls retried on another decode worker", ["reason"],
                                       registry=r)
-        self.worker_failures = Counter("splitserve_worker_failures", "worker calls that failed",
+        self.worker_failures = Counter(full(names.WORKER_FAILURES), "worker calls that failed",
                                        ["worker", "code"], registry=r)
-        self.index_lookups = Counter("splitserve_index_lookups", "prefix-index lookups at route time",
+        self.index_lookups = Counter(full(names.INDEX_LOOKUPS), "prefix-index lookups at route time",
                                      ["result"], registry=r)
-        self.index_lookup_seconds = Histogram("splitserve_index_lookup_seconds",
+        self.index_lookup_seconds = Histogram(full(names.INDEX_LOOKUP_SECONDS),
                                               "prefix-index lookup latency at route time",
-                                              buckets=_LOOKUP_BUCKETS, registry=r)
+                                              buckets=LOOKUP_BUCKETS, registry=r)
         if pool is not None:
             r.register(_WorkerCollector(pool))
         if router is not None:

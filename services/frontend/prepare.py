@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided_params import GuidedDecoding
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.vocab.guided_params import GuidedDecoding
+from engine.vocab.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import pb
 from services.convert import sampling_from_proto
 from services.frontend.errors import APIError, bad_request, from_value_error, model_not_found

@@ -1,7 +1,7 @@
 """OpenAI request bodies: JSON bytes -> typed request, or a 400 that names the field.
 
 Types are checked strictly (no "5" for 5, no true for 1); ranges are left to
-engine.sampling_params.SamplingParams, the one place that knows them.  Unknown
+engine.vocab.sampling_params.SamplingParams, the one place that knows them.  Unknown
 fields are accepted and ignored, as OpenAI-compatible servers do.
 """
 

@@ -12,7 +12,7 @@ from services.tracing import Carrier, Tracing, now_ns, sampling_attributes, serv
 if TYPE_CHECKING:
     from services.frontend.prepare import Plan
     from services.frontend.results import Results
-    from services.frontend.workers import Worker
+    from services.frontend.worker_pool import Worker
 
 # What each endpoint does, in gen_ai.operation.name's vocabulary.
 _OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}

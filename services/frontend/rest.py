@@ -25,12 +25,11 @@ from services.frontend import openai_format as fmt
 from services.frontend import tokenize_api as tok_api
 from services.frontend.auth import Auth, Tenant
 from services.frontend.core import Frontend
-from services.frontend.dispatch import Event
 from services.frontend.errors import APIError
 from services.frontend.prepare import Plan
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from services.frontend.results import Choice
-from services.frontend.runner import CLIENT_CLOSED, RequestRun
+from services.frontend.request_run import CLIENT_CLOSED, RequestRun
+from services.frontend.results import Choice, Event
 from services.frontend.tools import ToolStream
 
 log = logging.getLogger("splitserve.frontend.rest")

@@ -6,8 +6,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protos import pb
-from services.frontend.dispatch import Event
 from services.frontend.prepare import Plan
+
+
+@dataclass(frozen=True)
+class Event:
+    """One worker message for one choice, as the dispatcher merges them."""
+
+    index: int  # the choice's index in the response
+    msg: pb.WorkerGenerateResponse
 
 
 @dataclass

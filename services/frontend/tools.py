@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided_params import GuidedDecoding, check_json_schema
+from engine.vocab.guided_params import GuidedDecoding, check_json_schema
 from services.frontend.errors import bad_request, from_value_error
 from services.frontend.tool_parsers import ParsedCall, ToolParser
 

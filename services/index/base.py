@@ -19,8 +19,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from engine.block_pool import CacheEvent
-from engine.hashing import BlockHash
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import BlockHash
 
 
 class IndexUnavailable(Exception):

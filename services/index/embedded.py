@@ -10,8 +10,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from engine.block_pool import CacheEvent
-from engine.hashing import BlockHash
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import BlockHash
 from services.index.base import PrefixIndex
 
 

@@ -40,8 +40,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from engine.block_pool import CacheEvent
-from engine.hashing import BlockHash
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import BlockHash
 from services.index.base import IndexUnavailable, PrefixIndex
 from services.secret_env import redis_password
 

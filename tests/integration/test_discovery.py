@@ -17,7 +17,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from services.discovery import Registration, read_registrations
-from services.frontend.workers import WorkerPool
+from services.frontend.worker_pool import WorkerPool
 
 from .procs import ROOT, free_port, start_worker
 from .test_prefix_index_redis import RedisServer

@@ -171,7 +171,7 @@ def test_cluster_health_models(stack, client) -> None:  # type: ignore[no-untype
 
 
 def test_greedy_matches_the_offline_engine(stack, client, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """DESIGN.md invariant 5 through the frontend: its chat template and tokenizer,
+    """Invariant 5 (docs/ARCHITECTURE.md) through the frontend: its chat template and tokenizer,
     REST and gRPC, prompts prefilled on the decode worker and on the prefill worker."""
     from engine import LLM, SamplingParams
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.guided_params import GuidedDecoding
+from engine.vocab.guided_params import GuidedDecoding
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},

@@ -21,10 +21,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
-from kvtransfer.testing import CacheSpec, PeerError, PeerProcess
 from protos import pb, pb_grpc
 from services.cluster_auth import ENV, METADATA_KEY, sync_channel
 from services.convert import sampling_to_proto
+from tests.kv_peers import CacheSpec, PeerError, PeerProcess
 
 from ..faults import fault_env
 from .procs import Listener, Proc, address, free_port, peer_flag, start_worker

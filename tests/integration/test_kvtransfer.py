@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtransfer.sender import SendFault
-from kvtransfer.testing import CacheSpec, PeerError, PeerProcess
+from tests.kv_peers import CacheSpec, PeerError, PeerProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -306,8 +306,8 @@ def test_restarted_host_rejoins_through_discovery(cluster: Cluster, reference: R
 
 def test_a_worker_with_another_kv_layout_never_lands_a_block(cluster: Cluster, reference: Reference) -> None:
     """A prefill host whose KV blocks are twice as long registers like any other;
-    the frontend and the decode workers refuse its registration (DESIGN.md
-    invariant 7), so with the good prefill host frozen, long prompts are
+    the frontend and the decode workers refuse its registration
+    (docs/ARCHITECTURE.md, invariant 7), so with the good prefill host frozen, long prompts are
     prefilled on the decode hosts and still come out exact."""
     odd = cluster.start_worker("p1", cluster.net.add("pf1"), "--block-size", "32")
     p0 = cluster.workers["p0"].popen

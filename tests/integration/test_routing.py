@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.hashing import extra_keys, hash_blocks
+from engine.vocab.hashing import extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
 from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker

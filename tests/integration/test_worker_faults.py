@@ -1,4 +1,4 @@
-"""Faults in the split (DESIGN.md invariants 3, 4, 6): a prefill worker killed
+"""Faults in the split (docs/ARCHITECTURE.md, invariants 3, 4, 6): a prefill worker killed
 with requests in flight (called directly and through the frontend), a transfer
 that times out, a request cancelled mid-transfer.  Every request still ends
 right; every block comes back."""

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.block_pool import BlockPool
-from engine.hashing import hash_blocks
+from engine.vocab.hashing import hash_blocks
 
 
 def test_allocate_takes_from_front_and_counts() -> None:

@@ -3,9 +3,8 @@ import json
 from engine.sampling_params import SamplingParams
 from protos import pb
 from services.frontend import openai_format as fmt
-from services.frontend.dispatch import Event
 from services.frontend.prepare import Plan, PromptPlan
-from services.frontend.results import Results
+from services.frontend.results import Event, Results
 
 ENV = fmt.Envelope("cmpl-1", 1700000000, "m")
 

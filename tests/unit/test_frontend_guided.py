@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.guided_params import GuidedDecoding
+from engine.vocab.guided_params import GuidedDecoding
 from services.convert import sampling_from_proto, sampling_to_proto
 from tests.unit.test_frontend_prepare import chat, completion, error, preparer
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from engine.guided_params import GuidedDecoding
 from engine.sampler import SamplingRow, apply_token_bitmask, compute_probs, sample
 from engine.sampling_params import SamplingParams
+from engine.vocab.guided_params import GuidedDecoding
 
 V = 40  # two 32-bit words, the second one partial
 

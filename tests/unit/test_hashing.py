@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from engine.hashing import ROOT_HASH, extra_keys, hash_block, hash_blocks
+from engine.vocab.hashing import ROOT_HASH, extra_keys, hash_block, hash_blocks
 
 EXTRA = extra_keys("m")
 
@@ -30,7 +30,7 @@ def test_resume_from_start_matches_full_chain() -> None:
 
 
 def test_process_independent() -> None:
-    code = ("from engine.hashing import hash_blocks, extra_keys;"
+    code = ("from engine.vocab.hashing import hash_blocks, extra_keys;"
             "print(hash_blocks(list(range(32)), 16, extra_keys('m', 's'))[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}, check=True).stdout

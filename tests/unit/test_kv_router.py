@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from engine.block_pool import CacheEvent
-from engine.hashing import extra_keys, hash_blocks
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import extra_keys, hash_blocks
 from services.frontend.kv_router import KVAwareRouter, RoundRobinRouter
 from services.frontend.router import RouteRequest, WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex

@@ -50,6 +50,8 @@ def every_parser() -> dict[str, argparse.ArgumentParser]:
     parsers = {"frontend": frontend_parser()}
     for role in ("prefill", "decode"):
         parsers[role] = importlib.import_module(f"services.{role}.__main__").build_parser()
+    for name in cli.BENCHMARKS:  # `splitserve bench NAME` hands its flags to benchmarks/NAME.py
+        parsers[f"bench {name}"] = importlib.import_module(f"benchmarks.{name}").build_parser()
 
     def walk(prefix: str, p: argparse.ArgumentParser) -> None:
         for action in p._actions:

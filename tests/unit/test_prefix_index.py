@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.block_pool import CacheEvent
-from engine.hashing import extra_keys, hash_blocks
+from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import extra_keys, hash_blocks
 from services.index import EmbeddedPrefixIndex, PrefixIndex
 
 TTL_S = 30.0

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.hashing import extra_keys
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.vocab.hashing import extra_keys
 
 
 @dataclass

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from services.frontend.admission import Ticket
-from services.frontend.dispatch import Dispatcher, Event
+from services.frontend.dispatch import Dispatcher
 from services.frontend.errors import APIError
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
-from services.frontend.results import Choice, Results
+from services.frontend.results import Choice, Event, Results
 
 if TYPE_CHECKING:
     from services.frontend.request_trace import RequestTrace

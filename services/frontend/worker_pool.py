@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import grpc
 
-from engine.block_pool import CacheEvent
+from engine.vocab.cache_events import CacheEvent
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
 from services.frontend.router import WorkerLoad

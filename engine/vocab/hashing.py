@@ -1,4 +1,4 @@
-"""The one chained block hash (DESIGN.md invariant 1).
+"""The one chained block hash (docs/ARCHITECTURE.md, invariant 1).
 
 A block's hash is a fixed, process-independent function of its parent block's
 hash, its token ids and the extra keys (model id, cache salt, LoRA id).  Only

