@@ -6,13 +6,14 @@
 
 from typing import TYPE_CHECKING, Any
 
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:
