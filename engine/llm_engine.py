@@ -159,13 +159,14 @@ class LLMEngine:
 
     def reserve_remote(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                        *, priority: int = 0, cache_salt: str | None = None,
-                       num_resumed_tokens: int = 0, lora: LoRARequest | None = None) -> Request | None:
+                       num_resumed_tokens: int = 0, lora: LoRARequest | None = None,
+                       lora_digest: str | None = None) -> Request | None:
         """Decode worker: reserve blocks for a prompt whose KV a prefill worker
         will send.  None: no room now (nothing changed).  The request's block
         table is `self.kv.block_ids(request_id)`; blocks from
         num_computed_tokens // block_size on are the ones to fill."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                num_resumed_tokens=num_resumed_tokens, lora=lora)
+                                num_resumed_tokens=num_resumed_tokens, lora=lora, lora_digest=lora_digest)
         if self.scheduler.reserve_remote(req) is None:
             return None
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)

@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from protos import pb
 from services.cluster_auth import add_cluster_token_arg, cluster_token, server_interceptors, warn_if_open
 from services.engine_loop import EngineDead, EngineLoop
+from services.lora_flags import add_lora_args, lora_config_from_args
 from services.peers import KnownPeers
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import Tracing, add_tracing_args
@@ -68,6 +69,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     # Test-only fault hooks (services/engine_loop.py); nothing happens unless the file appears.
     g.add_argument("--fault-engine-crash-file", default=None, help=argparse.SUPPRESS)
     g.add_argument("--fault-step-fail-file", default=None, help=argparse.SUPPRESS)
+    add_lora_args(p)
     add_tracing_args(p)
 
 
@@ -103,7 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len or 1 << 30,
                                   policy=args.scheduling_policy),
-        speculative=speculative_config_from_args(args))
+        speculative=speculative_config_from_args(args), lora=lora_config_from_args(args))
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

@@ -13,19 +13,21 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.lora_request import LoRARequest
 from engine.outputs import StepOutput
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
-from services.convert import logprobs_to_proto, sampling_from_proto
+from services.convert import logprobs_to_proto, lora_from_proto, sampling_from_proto
 from services.peers import KnownPeers
 from services.tracing import now_ns
 from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
 from services.worker_tracing import DecodeTrace
 
 log = logging.getLogger(__name__)
+LoRAPick = tuple[LoRARequest | None, str | None]  # the adapter, the digest the caller expects
 
 
 @dataclass
@@ -69,6 +71,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         loop = self.state.engine
         try:
             params = sampling_from_proto(request.sampling)
+            lora, lora_digest = lora_from_proto(request.lora if request.HasField("lora") else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
@@ -99,12 +102,14 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         try:
             try:
                 if remote:  # the first token reaches q from the engine thread, ahead of the second
-                    await self._remote_prefill(rid, ids, params, request, context, timings, trace)
+                    await self._remote_prefill(rid, ids, params, request, context, timings, trace,
+                                               (lora, lora_digest))
                 else:
                     self.stats.local_prefills += 1
                     await loop.call(lambda e: e.add_request(rid, ids, params, priority=request.priority,
                                                             cache_salt=request.cache_salt or None,
-                                                            num_resumed_tokens=resumed))
+                                                            num_resumed_tokens=resumed, lora=lora,
+                                                            lora_digest=lora_digest))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while True:
@@ -145,16 +150,23 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             remote_prefill=remote, timings=timings)
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams,
-                       request: pb.WorkerGenerateRequest) -> tuple[list[int], int]:
-        """Blocks first, KV second: wait (bounded) until the pool has room."""
+                       request: pb.WorkerGenerateRequest, lora: LoRAPick,
+                       ) -> tuple[list[int], int, pb.LoRAAdapter | None]:
+        """Blocks first, KV second: wait (bounded) until the pool has room.
+        -> the block table, the tokens cached here, the adapter for P (its digest ours)."""
         deadline = time.monotonic() + self.reserve_timeout
         loop = self.state.engine
         while True:
             def reserve(e):  # type: ignore[no-untyped-def]
                 req = e.reserve_remote(rid, ids, params, priority=request.priority,
                                        cache_salt=request.cache_salt or None,
-                                       num_resumed_tokens=request.resumed_output_tokens)
-                return None if req is None else (e.kv.block_ids(rid), req.num_computed_tokens)
+                                       num_resumed_tokens=request.resumed_output_tokens,
+                                       lora=lora[0], lora_digest=lora[1])
+                if req is None:
+                    return None
+                adapter = None if req.lora is None else pb.LoRAAdapter(
+                    name=req.lora.name, path=req.lora.path, digest=req.lora.digest)
+                return e.kv.block_ids(rid), req.num_computed_tokens, adapter
             got = await loop.call(reserve)
             if got is not None:
                 return got
@@ -166,11 +178,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
     async def _remote_prefill(self, rid: str, ids: list[int], params: SamplingParams,
                               request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext,
                               timings: dict[str, float],
-                              trace: DecodeTrace | None = None) -> None:
+                              trace: DecodeTrace | None = None, lora: LoRAPick = (None, None)) -> None:
         t_start = time.monotonic()
         queued_ns = now_ns() if trace is not None else 0
         try:
-            block_ids, num_local = await self._reserve(rid, ids, params, request)
+            block_ids, num_local, adapter = await self._reserve(rid, ids, params, request, lora)
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         loop = self.state.engine
@@ -187,7 +199,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                                   priority=request.priority, cache_salt=request.cache_salt,
                                   kv_address=self.transport.address, dst_block_ids=block_ids,
                                   first_block=first_block, layout=layout_proto(loop.engine),
-                                  kv_token=token, resumed_output_tokens=request.resumed_output_tokens),
+                                  kv_token=token, resumed_output_tokens=request.resumed_output_tokens,
+                                  lora=adapter),
                 timeout=self.transfer_timeout, metadata=trace.metadata() if trace is not None else None)
             await asyncio.wait_for(landed, timeout=self.transfer_timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError, RuntimeError) as e:

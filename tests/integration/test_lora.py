@@ -24,7 +24,7 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_adapter(base: Path, out: Path, seed: int, **config: Any) -> Path:
+def make_adapter(base: Path, out: Path, seed: int, std: float = 0.2, **config: Any) -> Path:
     """A PEFT adapter with random A and B (PEFT's default B is zero: no effect)."""
     import peft
     import transformers
@@ -35,7 +35,7 @@ def make_adapter(base: Path, out: Path, seed: int, **config: Any) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
     model.save_pretrained(out)
     return out
 
