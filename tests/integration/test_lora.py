@@ -122,3 +122,49 @@ def test_load_unload_and_errors(tiny, tmp_path) -> None:  # type: ignore[no-unty
     plain = LLM(model=str(base), dtype="float32", num_blocks=16, num_threads=2)
     with pytest.raises(ValueError, match="model: 'qv'"):
         plain.generate([1, 2, 3], lora_request=LoRARequest("qv", str(adapters["qv"])))
+
+
+def test_adapters_with_speculative_decoding(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Layer-skip drafts come from the base layers (no adapter); verification
+    runs several rows per request with its adapter: PEFT's tokens still."""
+    base, adapters = tiny
+    prompt = list(range(3000, 3030))
+    refs = {name: reference(base, path, prompt)[0] for name, path in [("base", None), *adapters.items()]}
+    llm = LLM(model=str(base), dtype="float32", num_blocks=64, num_threads=2, enable_lora=True,
+              max_loras=2, max_lora_rank=8,
+              speculative_config={"method": "layerskip", "num_layers": 1, "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    verified = []
+    inner = llm.engine.runner.forward_logits
+
+    def spy(seqs):  # type: ignore[no-untyped-def]
+        verified.extend(len(s.spec_token_ids) for s in seqs)
+        return inner(seqs)
+
+    llm.engine.runner.forward_logits = spy  # type: ignore[method-assign]
+    loras = [None, *(LoRARequest(name, str(path)) for name, path in adapters.items())]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([prompt] * 3, params, lora_request=loras)
+    assert max(verified) == 3  # drafts were verified
+    for out, name in zip(outs, ["base", *adapters], strict=True):
+        assert out.outputs[0].token_ids == refs[name], name
+
+
+def test_fused_checkpoint_family_matches_peft(tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Phi-3: PEFT adapts its fused qkv_proj / gate_up_proj, and its partial
+    rope runs the layers' unfused (torch) path."""
+    base = make_model("phi3", tmp_path / "phi3", model_dir)
+    path = make_adapter(base, tmp_path / "phi3-lora", 7, r=4, lora_alpha=8,
+                        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    prompt = list(range(500, 540))
+    tokens, logits = reference(base, path, prompt)
+    assert tokens != reference(base, None, prompt)[0]
+    llm = LLM(model=str(base), dtype="float32", num_blocks=64, num_threads=2, enable_lora=True,
+              max_lora_rank=4)
+    assert llm.engine.runner.model.fused is None  # the torch path
+    rec = LogitRecorder(llm)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS),
+                       lora_request=LoRARequest("phi", str(path)))[0]
+    assert out.outputs[0].token_ids == tokens
+    diff = (torch.stack(rec.logits[f"{out.request_id}-0"]) - logits).abs().max().item()
+    assert diff < 1e-3, f"max abs logit difference {diff}"
