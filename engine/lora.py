@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,12 +26,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from engine.lora_request import LoRARequest, adapter_digest, adapter_files
+from engine.lora_request import KEY_RE, LoRARequest, adapter_digest, adapter_files, check_adapter_config
 
 log = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass
@@ -56,23 +53,6 @@ def _pieces(spec: Any) -> dict[str, tuple[str, int, int]]:
             "down_proj": ("down_proj", 0, spec.hidden_size)}
 
 
-def _check_config(cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
-    """-> (rank, scale).  Refuses what this engine would silently get wrong."""
-    r = cfg.get("r")
-    if not isinstance(r, int) or r < 1:
-        raise ValueError(f"lora_path: adapter_config.json has no valid rank r ({r!r})")
-    if r > max_rank:
-        raise ValueError(f"lora_path: the adapter's rank {r} exceeds --max-lora-rank {max_rank}")
-    for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
-        if cfg.get(key, ok) not in (ok, None):
-            raise ValueError(f"lora_path: {key}={cfg[key]!r} is not supported")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise ValueError(f"lora_path: {key} is not supported")
-    alpha = cfg.get("lora_alpha", r)
-    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
-
-
 def load_adapter(req: LoRARequest, spec: Any, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoRAAdapter:
     """Read a PEFT adapter directory into fused per-projection matrices."""
@@ -80,7 +60,7 @@ def load_adapter(req: LoRARequest, spec: Any, max_rank: int, dtype: torch.dtype,
 
     cfg_file, weights_file = adapter_files(req.lora_path)
     digest = adapter_digest(req.lora_path)
-    r, scale = _check_config(json.loads(cfg_file.read_text()), max_rank)
+    r, scale = check_adapter_config(json.loads(cfg_file.read_text()), max_rank)
     pieces = _pieces(spec)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in load_file(str(weights_file)).items():

@@ -13,14 +13,22 @@ copy differs from the decode worker's refuses instead of sending wrong KV.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # What a name may look like: it is a `model` value in the API.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+# PEFT's weight names: ...layers.{i}.self_attn.q_proj.lora_A.weight
+KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
+                     "gate_up_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -65,3 +73,39 @@ def adapter_digest(path: str | Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()[:32]
+
+
+def check_adapter_config(cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """-> (rank, scale).  Refuses what the engine would silently get wrong."""
+    r = cfg.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"lora_path: adapter_config.json has no valid rank r ({r!r})")
+    if r > max_rank:
+        raise ValueError(f"lora_path: the adapter's rank {r} exceeds --max-lora-rank {max_rank}")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if cfg.get(key, ok) not in (ok, None):
+            raise ValueError(f"lora_path: {key}={cfg[key]!r} is not supported")
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise ValueError(f"lora_path: {key} is not supported")
+    alpha = cfg.get("lora_alpha", r)
+    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def check_adapter(path: str | Path, max_rank: int) -> None:
+    """What can be checked without torch (the frontend, before it serves an
+    adapter): its config, and that every weight adapts a projection the
+    engine adapts (read from the safetensors header)."""
+    cfg, weights = adapter_files(path)
+    try:
+        check_adapter_config(json.loads(cfg.read_text()), max_rank)
+        with weights.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names = [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, struct.error) as e:
+        raise ValueError(f"lora_path: unreadable adapter files ({e})") from None
+    for name in names:
+        m = KEY_RE.search(name)
+        if m is None or m.group(2) not in TARGETS:
+            raise ValueError(f"lora_path: adapter weight {name!r} targets a module this engine does not "
+                             f"adapt (it adapts {', '.join(sorted(TARGETS))})")

@@ -122,7 +122,7 @@ class Stack:
             argv += ["--redis-url", a.redis_url]
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
-        argv += frontend_security_argv(a) + lora_argv(a, rank=False) + frontend_passthrough_argv(a)
+        argv += frontend_security_argv(a) + lora_argv(a) + frontend_passthrough_argv(a)
         health_url = f"{rest_scheme(a)}://{a.host}:{a.port}/health"
         frontend = self._spawn("frontend", argv, health_url=health_url, env=frontend_env(a, os.environ))
         for name, proc, ready in pending:

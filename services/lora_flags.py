@@ -16,7 +16,7 @@ def lora_module(value: str) -> LoRARequest:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_lora_args(p: argparse.ArgumentParser, *, rank: bool = True) -> None:
+def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters: requests name one as their `model`; "
@@ -26,22 +26,19 @@ def add_lora_args(p: argparse.ArgumentParser, *, rank: bool = True) -> None:
                    help="adapters served from the start (PEFT directories every worker can read); "
                         "implies --enable-lora; repeatable")
     g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters held at once")
-    if rank:
-        g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
 
 
 def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig:
     """Raises ValueError naming the field."""
     return LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
-                      max_lora_rank=getattr(args, "max_lora_rank", 16),
+                      max_lora_rank=args.max_lora_rank,
                       lora_modules=tuple(args.lora_modules))
 
 
-def lora_argv(args: argparse.Namespace, *, rank: bool = True) -> list[str]:
+def lora_argv(args: argparse.Namespace) -> list[str]:
     """The flags again, for a process `up` starts."""
-    out = ["--max-loras", str(args.max_loras)]
-    if rank:
-        out += ["--max-lora-rank", str(args.max_lora_rank)]
+    out = ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
     if args.enable_lora:
         out.append("--enable-lora")
     for m in args.lora_modules:

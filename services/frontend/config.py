@@ -66,7 +66,7 @@ class FrontendConfig:
     tls_key: str | None = None
     cache_isolation: str = "none"  # none | tenant
     tool_call_parser: str = "hermes"  # how tool calls are read out of chat output (tool_parsers.PARSERS)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters served by name (max_lora_rank unused)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters served by name
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
                    help="how tool calls are read out of chat output: hermes (<tool_call>{json}</tool_call>, "
                         "Hermes / Qwen) or llama3_json (Llama 3 JSON); default: %(default)s")
-    add_lora_args(p, rank=False)
+    add_lora_args(p)
     add_tracing_args(p)
     return p
 

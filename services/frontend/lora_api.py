@@ -30,7 +30,7 @@ async def load_lora_adapter(fe: Frontend, body: bytes) -> str:
     except ValueError as e:
         raise from_value_error(e) from None
     fe.loras.check_new(lora, fe.model_name)
-    found = await fe.off_loop(entry, lora)  # reads the adapter's files for its digest
+    found = await fe.off_loop(entry, lora, fe.loras.max_rank)  # reads the adapter's files for its digest
     fe.loras.check_new(lora, fe.model_name)  # a load of the same name may have finished meanwhile
     fe.loras.add(found)
     return f"Success: LoRA adapter '{lora.lora_name}' added successfully."

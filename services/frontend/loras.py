@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import LoRAConfig
-from engine.lora_request import LoRARequest, adapter_digest
+from engine.lora_request import LoRARequest, adapter_digest, check_adapter
 from protos import pb
 from services.frontend.errors import APIError, bad_request
 
@@ -31,9 +31,13 @@ class LoRARegistry:
     def __init__(self, config: LoRAConfig) -> None:
         self.enabled = config.enabled
         self.max_loras = config.max_loras
+        self.max_rank = config.max_lora_rank
         self.adapters: dict[str, LoRAEntry] = {}
         for m in config.lora_modules:
-            self.adapters[m.lora_name] = entry(m)
+            try:
+                self.adapters[m.lora_name] = entry(m, self.max_rank)
+            except APIError as e:  # at start-up: a flag's error, not a request's
+                raise ValueError(f"--lora-modules {m.lora_name}: {e.message}") from None
 
     def get(self, name: str | None) -> LoRAEntry | None:
         return self.adapters.get(name) if name else None
@@ -64,9 +68,11 @@ class LoRARegistry:
                  "root": e.path, "parent": base_model} for e in self.adapters.values()]
 
 
-def entry(req: LoRARequest) -> LoRAEntry:
-    """Reads the adapter's files (off the event loop when serving); a 400 naming lora_path."""
+def entry(req: LoRARequest, max_rank: int) -> LoRAEntry:
+    """Reads and checks the adapter's files (off the event loop when serving);
+    a 400 naming lora_path."""
     try:
+        check_adapter(req.lora_path, max_rank)
         return LoRAEntry(req.lora_name, req.lora_path, adapter_digest(req.lora_path))
     except (ValueError, OSError) as e:
         raise bad_request(str(e).removeprefix("lora_path: "), "lora_path") from None
