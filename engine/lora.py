@@ -62,6 +62,9 @@ def load_adapter(req: LoRARequest, spec: Any, max_rank: int, dtype: torch.dtype,
     digest = adapter_digest(req.lora_path)
     r, scale = check_adapter_config(json.loads(cfg_file.read_text()), max_rank)
     pieces = _pieces(spec)
+    q_size = spec.num_heads * spec.head_dim
+    in_features = {"qkv_proj": spec.hidden_size, "o_proj": q_size, "gate_up_proj": spec.hidden_size,
+                   "down_proj": spec.intermediate_size}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in load_file(str(weights_file)).items():
         m = KEY_RE.search(key)
@@ -74,9 +77,10 @@ def load_adapter(req: LoRARequest, spec: Any, max_rank: int, dtype: torch.dtype,
     for (layer, module), ab in sorted(found.items()):
         proj, lo, hi = pieces[module]
         a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None or a.shape[0] != r or b.shape != (hi - lo, r):
-            raise ValueError(f"lora_path: layer {layer} {module}: lora_A/lora_B missing or "
-                             f"not of rank {r} for a {hi - lo}-row projection")
+        # Checked here, not in a step: a misshapen adapter must not fail the batch it joins.
+        if a is None or b is None or a.shape != (r, in_features[proj]) or b.shape != (hi - lo, r):
+            raise ValueError(f"lora_path: layer {layer} {module}: lora_A/lora_B missing or not "
+                             f"[{r}, {in_features[proj]}] / [{hi - lo}, {r}] (an adapter of another model?)")
         grouped.setdefault(f"layers.{layer}.{proj}", []).append((lo, hi, a, b))
     for name, parts in grouped.items():
         a_cat = torch.cat([a for _, _, a, _ in parts])  # [k*r, in]

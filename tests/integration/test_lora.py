@@ -15,6 +15,7 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from tests.integration.test_hf_parity import LogitRecorder
 from tests.integration.test_model_families import make_model
+from tests.unit.test_lora_flags import write_adapter
 
 NEW_TOKENS = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -115,6 +116,13 @@ def test_load_unload_and_errors(tiny, tmp_path) -> None:  # type: ignore[no-unty
     assert eng.lora_names() == []
     with pytest.raises(ValueError, match="lora_path"):
         eng.load_lora(LoRARequest("missing", str(tmp_path / "nothing")))
+    # Another model's adapter (2 x 2 matrices) is refused at load, never in a step.
+    other = write_adapter(tmp_path / "other", {"r": 2}, [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"])
+    with pytest.raises(ValueError, match="lora_path: .*another model"):
+        llm.generate([1, 2, 3], lora_request=LoRARequest("other", str(other)))
+    assert llm.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
     small = LLM(model=str(base), dtype="float32", num_blocks=16, num_threads=2, enable_lora=True,
                 max_lora_rank=4)
     with pytest.raises(ValueError, match="max-lora-rank"):
