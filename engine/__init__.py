@@ -6,13 +6,14 @@ index) can import the vocabulary, `engine.vocab`, without pulling in torch.
 
 from typing import TYPE_CHECKING, Any
 
+from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

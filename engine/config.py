@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from engine.vocab.lora_request import LoRARequest
+
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_SPECULATIVE_TOKENS = 16
@@ -132,11 +134,38 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags).  enable_lora: requests may name adapters,
+    loaded at run time; lora_modules are loaded at start-up (and imply it)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters held at once; the least recently used goes first
+    max_lora_rank: int = 16
+    lora_modules: tuple[LoRARequest, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        names = [m.lora_name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError("lora_modules: an adapter name is given twice")
+        if len(names) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(names)} adapters, max_loras is {self.max_loras}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
@@ -149,7 +178,8 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
                   max_num_seqs: int = SchedulerConfig.max_num_seqs,
                   max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                   scheduling_policy: str = SchedulerConfig.policy,
-                  speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None) -> EngineConfig:
+                  speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+                  lora: LoRAConfig | None = None) -> EngineConfig:
     """The one mapping from flat options (`LLM(...)` keywords, worker flags) to the
     nested config; the defaults are the dataclasses' own.  max_model_len None: the
     model's context (the engine caps it).  Raises ValueError naming the field."""
@@ -163,4 +193,4 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len or 1 << 30,
                                   policy=scheduling_policy),  # type: ignore[arg-type]
-        speculative=speculative)
+        speculative=speculative, lora=lora or LoRAConfig())

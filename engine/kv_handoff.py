@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.vocab.lora_request import LoRARequest
+
 
 @dataclass(frozen=True)
 class KVHandoff:
@@ -16,6 +18,10 @@ class KVHandoff:
     # Blocks before this one the decode worker holds already (its local prefix
     # hit): they are not sent.
     first_block: int
+    # The LoRA adapter the prompt runs with (None: the base model) and its digest
+    # here: the prefill worker must prefill with the very same weights.
+    lora: LoRARequest | None = None
+    lora_digest: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= len(self.block_ids):

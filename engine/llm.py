@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, engine_config
+from engine.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, engine_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -31,7 +32,9 @@ class LLM:
                  scheduling_policy: str = SchedulerConfig.policy, seed: int = ModelConfig.seed,
                  device: str = ModelConfig.device, num_threads: int | None = None,
                  attention_backend: str = ModelConfig.attention_backend,
-                 speculative_config: dict[str, Any] | None = None) -> None:
+                 speculative_config: dict[str, Any] | None = None, enable_lora: bool = False,
+                 max_loras: int = LoRAConfig.max_loras,
+                 max_lora_rank: int = LoRAConfig.max_lora_rank) -> None:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}."""
@@ -41,7 +44,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             num_blocks=num_blocks, scheduling_policy=scheduling_policy, seed=seed, device=device,
             num_threads=num_threads, attention_backend=attention_backend,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config,
+            lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank))
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -52,9 +56,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priority: Sequence[int] | None = None, cache_salt: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
-        A prompt is a string or a list of token ids."""
+        A prompt is a string or a list of token ids.  lora_request: one
+        adapter for all prompts, or one (or None: the base) per prompt."""
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]
@@ -68,6 +74,10 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"priority: {len(priority)} given for {len(batch)} prompts")
+        loras = ([lora_request] * len(batch) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(batch):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(batch)} prompts")
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         added: list[str] = []
@@ -82,7 +92,7 @@ class LLM:
                     cid = f"{rid}-{j}"
                     self.engine.add_request(cid, ids, child,
                                             priority=priority[i] if priority else 0,
-                                            cache_salt=cache_salt)
+                                            cache_salt=cache_salt, lora=loras[i])
                     added.append(cid)
                     co = CompletionOutput(j, "", [], logprobs=[] if p.logprobs is not None else None)
                     ro.outputs.append(co)

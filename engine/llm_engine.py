@@ -12,6 +12,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.guided import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_handoff import KVHandoff
+from engine.lora import LoRAAdapter
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_tokenizer, model_name, resolve_model
 from engine.outputs import Logprob, PositionLogprobs, StepOutput
@@ -24,6 +25,7 @@ from engine.spec_decode.decoder import (
     make_speculative_decoder,
 )
 from engine.vocab.hashing import extra_keys
+from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
 
 
@@ -36,6 +38,10 @@ class LLMEngine:
         # Before the weights load: a configuration that cannot work fails fast.
         draft_dir = check_speculative_config(config.speculative, hf_cfg, self.tokenizer)
         self.runner = ModelRunner(model_dir, config.model, config.cache)
+        if config.lora.enabled:
+            self.runner.enable_lora(config.lora.max_loras, config.lora.max_lora_rank)
+            for module in config.lora.lora_modules:
+                self.load_lora(module)
         spec = self.runner.spec
         max_len = min(config.scheduler.max_model_len, spec.max_position_embeddings)
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_len))
@@ -75,16 +81,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None, hold_blocks: bool = False,
-                    num_resumed_tokens: int = 0) -> Request:
+                    num_resumed_tokens: int = 0, lora: LoRARequest | None = None,
+                    lora_digest: str | None = None) -> Request:
         """Validate and queue one request (params.n is handled by the caller).
         Raises ValueError naming the field; the engine state is untouched then.
         hold_blocks: keep the KV blocks after finishing until release()
         (a prefill worker sends them first).  num_resumed_tokens: the prompt's
         last tokens are output this request generated elsewhere (it migrated);
-        its grammar resumes after them."""
+        its grammar resumes after them.  lora: the adapter to run with
+        (lora_digest: the one a caller expects; a mismatch is refused)."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                                 arrival_time=arrival_time, hold_blocks=hold_blocks,
-                                num_resumed_tokens=num_resumed_tokens)
+                                num_resumed_tokens=num_resumed_tokens, lora=lora, lora_digest=lora_digest)
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         return req
@@ -92,7 +100,8 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                      *, priority: int = 0, cache_salt: str | None = None,
                      arrival_time: float | None = None, hold_blocks: bool = False,
-                     num_resumed_tokens: int = 0) -> Request:
+                     num_resumed_tokens: int = 0, lora: LoRARequest | None = None,
+                     lora_digest: str | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         ids = self.tokenize(prompt)
@@ -110,25 +119,61 @@ class LLMEngine:
         grammar = None
         if params.guided is not None:
             grammar = self.grammars.matcher(params.guided, ids[len(ids) - num_resumed_tokens:])
+        adapter = self.lora_adapter(lora, lora_digest)
         rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
         return Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                        priority=priority, arrival_time=arrival_time, rng=rng, hold_blocks=hold_blocks,
-                       extra_keys=extra_keys(self.model_id, cache_salt), grammar=grammar)
+                       extra_keys=extra_keys(self.model_id, cache_salt, adapter.digest if adapter else None),
+                       grammar=grammar, lora=adapter)
+
+    # -- LoRA -------------------------------------------------------------------
+
+    def lora_adapter(self, lora: LoRARequest | None, digest: str | None = None) -> LoRAAdapter | None:
+        """The loaded adapter for a request (loading it from its path on first
+        use); ValueError naming the field when it cannot be had."""
+        if lora is None:
+            return None
+        if self.runner.lora is None:
+            raise ValueError(f"model: {lora.lora_name!r} is a LoRA adapter and this engine was "
+                             f"started without LoRA (--enable-lora)")
+        try:
+            return self.runner.lora.get(lora, digest)
+        except (OSError, RuntimeError) as e:  # unreadable or malformed safetensors
+            raise ValueError(f"lora_path: cannot load {lora.lora_path!r}: {e}") from e
+
+    def load_lora(self, lora: LoRARequest) -> str:
+        """Load (or reload from its path) an adapter -> its digest."""
+        if self.runner.lora is not None:
+            self.runner.lora.unload(lora.lora_name)
+        adapter = self.lora_adapter(lora)
+        assert adapter is not None
+        return adapter.digest
+
+    def unload_lora(self, name: str) -> bool:
+        """Requests in flight keep their adapter; new ones can no longer name it."""
+        return self.runner.lora is not None and self.runner.lora.unload(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.runner.lora is None else list(self.runner.lora.adapters)
 
     # -- the split --------------------------------------------------------------
 
     def reserve_remote(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                        *, priority: int = 0, cache_salt: str | None = None,
-                       num_resumed_tokens: int = 0) -> KVHandoff | None:
+                       num_resumed_tokens: int = 0, lora: LoRARequest | None = None,
+                       lora_digest: str | None = None) -> KVHandoff | None:
         """Decode worker: reserve blocks for a prompt whose KV a prefill worker
         will send; the handoff names them.  None: no room now (nothing changed)."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                num_resumed_tokens=num_resumed_tokens)
+                                num_resumed_tokens=num_resumed_tokens, lora=lora, lora_digest=lora_digest)
         block_ids = self.scheduler.reserve_remote(req)
         if block_ids is None:
             return None
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
-        return KVHandoff(request_id, tuple(block_ids), req.num_computed_tokens // self.kv.block_size)
+        adapter = req.lora  # the engine's LoRAAdapter, or None
+        return KVHandoff(request_id, tuple(block_ids), req.num_computed_tokens // self.kv.block_size,
+                         lora=None if adapter is None else LoRARequest(adapter.name, adapter.path),
+                         lora_digest="" if adapter is None else adapter.digest)
 
     def remote_kv_landed(self, request_id: str, first_token: SampledToken) -> StepOutput:
         req = self.scheduler.remote_kv_landed(request_id, first_token)

@@ -19,6 +19,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
+from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, bare_modules
 from engine.sampler import SampledToken, SamplingRow, sample
@@ -166,10 +167,15 @@ class ModelRunner:
                                     s.head_dim), self.dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
+        self.lora: LoRAManager | None = None  # set by enable_lora
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", model_dir.name, self.num_blocks,
                  self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoRAManager:
+        self.lora = LoRAManager(self.model, max_loras, max_rank)
+        return self.lora
 
     def _mask_pool(self) -> ThreadPoolExecutor:
         if self._masker is None:
@@ -213,7 +219,11 @@ class ModelRunner:
         """Logits [S, V] float32 for each sequence that samples: at its last
         known token, then at each of its draft tokens (1 + drafts rows)."""
         input_ids, positions, meta = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
+        if self.lora is None:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
+        else:
+            with self.lora.apply([(s.request.lora, s.num_new_tokens) for s in seqs]):
+                hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
         rows: list[int] = []
         end = 0
         for s in seqs:

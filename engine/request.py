@@ -48,7 +48,7 @@ class Request:
                  *, max_tokens: int, eos_token_ids: frozenset[int] = frozenset(),
                  priority: int = 0, arrival_time: float | None = None,
                  extra_keys: bytes = b"", rng: random.Random | None = None,
-                 hold_blocks: bool = False, grammar: Any = None) -> None:
+                 hold_blocks: bool = False, grammar: Any = None, lora: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -74,6 +74,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Structured output: an engine.guided.Grammar that every output token advances.
         self.grammar = grammar
+        # The engine's LoRAAdapter (engine.lora) this request runs with; None: the base model.
+        self.lora = lora
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.vocab.guided_params import GuidedDecoding
 from engine.vocab.logprobs import PositionLogprobs
+from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 
@@ -84,3 +85,11 @@ def logprobs_to_proto(token_id: int, pos: PositionLogprobs) -> pb.TokenLogprobs:
            for t, lp in sorted(pos.items(), key=lambda kv: -kv[1].logprob)]
     return pb.TokenLogprobs(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank or 0,
                             token=chosen.decoded_token or "", top=top)
+
+
+def lora_from_proto(msg: pb.LoRAAdapter | None) -> tuple[LoRARequest | None, str | None]:
+    """-> (the adapter, the digest the sender expects); (None, None): the base
+    model.  ValueError naming the field."""
+    if msg is None or not msg.name:
+        return None, None
+    return LoRARequest(msg.name, msg.path), msg.digest or None

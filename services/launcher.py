@@ -23,6 +23,7 @@ from services.affinity import format_cpu_list, plan_affinity, usable_cpus
 from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
 from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
 from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, check_security
+from services.lora_flags import add_lora_args, lora_argv, lora_config_from_args
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
 from services.tracing import add_tracing_args
@@ -89,7 +90,7 @@ class Stack:
         if pinning:
             print("splitserve: pinning " + ", ".join(f"{name} to cpus {format_cpu_list(cpus)}"
                                                     for name, cpus in pinning.items()), flush=True)
-        common = [*engine_argv(a), "--host", a.host]
+        common = [*engine_argv(a), *lora_argv(a), "--host", a.host]
         if a.otlp_endpoint:
             common += ["--otlp-endpoint", a.otlp_endpoint]
         pending = []
@@ -126,7 +127,7 @@ class Stack:
             argv += ["--redis-url", a.redis_url]
         if a.otlp_endpoint:
             argv += ["--otlp-endpoint", a.otlp_endpoint]
-        argv += frontend_security_argv(a) + frontend_passthrough_argv(a)
+        argv += frontend_security_argv(a) + lora_argv(a) + frontend_passthrough_argv(a)
         health_url = f"{rest_scheme(a)}://{a.host}:{a.port}/health"
         frontend = self._spawn("frontend", argv, health_url=health_url, env=frontend_env(a, os.environ))
         for name, proc, ready in pending:
@@ -219,6 +220,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "'prefill=0-3;decode=4-15' (split among each role's workers)")
     add_cluster_token_arg(g)
     add_speculative_args(p)
+    add_lora_args(p)
     add_tracing_args(p)
     add_security_args(p)
     add_frontend_passthrough(p)
@@ -265,6 +267,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     try:
         speculative_config_from_args(args)  # fail before starting anything
+        lora_config_from_args(args)
         check_security(api_keys(args.api_key, os.environ), args.tls_cert, args.tls_key, args.cache_isolation)
     except ValueError as e:
         print(f"splitserve: {e}", file=sys.stderr)

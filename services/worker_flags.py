@@ -20,6 +20,7 @@ from engine.config import (
     engine_config,
 )
 from services.cluster_auth import add_cluster_token_arg
+from services.lora_flags import add_lora_args, lora_config_from_args
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import add_tracing_args
 
@@ -68,7 +69,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
     """A worker's flags -> its engine's config.  Raises ValueError naming the field."""
     return engine_config(**engine_kwargs(args), num_blocks=args.num_blocks,
-                         speculative_config=speculative_config_from_args(args))
+                         speculative_config=speculative_config_from_args(args),
+                         lora=lora_config_from_args(args))
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -102,6 +104,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument(f"--{peers}", type=peer_addresses, default=(),
                    help=f"the {peers} workers this worker may contact (gRPC host:port[,...]); with "
                         f"--redis-url also those registered there; no other address a caller names")
+    add_lora_args(p)
     add_tracing_args(p)
 
 

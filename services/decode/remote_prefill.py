@@ -22,7 +22,8 @@ import grpc
 from engine.kv_handoff import KVHandoff
 from engine.llm_engine import LLMEngine
 from engine.sampler import SampledToken
-from engine.sampling_params import SamplingParams
+from engine.vocab.lora_request import LoRARequest
+from engine.vocab.sampling_params import SamplingParams
 from kvtransfer.transport import KVTransport
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
@@ -33,6 +34,7 @@ from services.worker_state import WorkerState
 from services.worker_tracing import DecodeTrace
 
 log = logging.getLogger(__name__)
+LoRAPick = tuple[LoRARequest | None, str | None]  # the adapter, the digest the caller expects
 
 
 class ReserveTimeout(Exception):
@@ -57,13 +59,13 @@ class RemotePrefill:
 
     async def run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   request: pb.WorkerGenerateRequest, timings: dict[str, float],
-                  trace: DecodeTrace | None = None) -> None:
+                  trace: DecodeTrace | None = None, lora: LoRAPick = (None, None)) -> None:
         """Until the request runs here (its first token is on its stream, ahead of the
         second) or recomputes here.  Raises ReserveTimeout, RemotePrefillFailed, or
         ValueError (the prompt or params are invalid)."""
         t_start = time.monotonic()
         queued_ns = now_ns() if trace is not None else 0
-        handoff = await self._reserve(request_id, prompt_token_ids, params, request)
+        handoff = await self._reserve(request_id, prompt_token_ids, params, request, lora)
         kv_token = new_transfer_token()  # only the prefill worker we ask learns it
         landed = self.transport.expect(request_id, handoff.blocks_to_fill, token=kv_token)
         t0 = time.monotonic()
@@ -93,14 +95,15 @@ class RemotePrefill:
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       request: pb.WorkerGenerateRequest) -> KVHandoff:
+                       request: pb.WorkerGenerateRequest, lora: LoRAPick) -> KVHandoff:
         """Blocks first, KV second (invariant 2): wait, bounded, until the pool has room."""
         deadline = time.monotonic() + self.reserve_timeout
 
         def reserve(e: LLMEngine) -> tuple[KVHandoff | None, int]:
             handoff = e.reserve_remote(request_id, prompt_token_ids, params, priority=request.priority,
                                        cache_salt=request.cache_salt or None,
-                                       num_resumed_tokens=request.resumed_output_tokens)
+                                       num_resumed_tokens=request.resumed_output_tokens,
+                                       lora=lora[0], lora_digest=lora[1])
             return handoff, e.kv.num_free_blocks
 
         while True:
@@ -118,7 +121,9 @@ class RemotePrefill:
             priority=request.priority, cache_salt=request.cache_salt, kv_address=self.state.kv_address,
             dst_block_ids=handoff.block_ids, first_block=handoff.first_block,
             layout=layout_to_proto(self.state.layout), kv_token=kv_token,
-            resumed_output_tokens=request.resumed_output_tokens)
+            resumed_output_tokens=request.resumed_output_tokens,
+            lora=None if handoff.lora is None else pb.LoRAAdapter(
+                name=handoff.lora.lora_name, path=handoff.lora.lora_path, digest=handoff.lora_digest))
 
     async def _failed(self, request_id: str, prefill_address: str, landed: asyncio.Future[int],
                       err: BaseException, trace: DecodeTrace | None) -> None:

@@ -15,7 +15,7 @@ from engine.outputs import StepOutput
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
-from services.convert import logprobs_to_proto, sampling_from_proto
+from services.convert import logprobs_to_proto, lora_from_proto, sampling_from_proto
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, ReserveTimeout
 from services.decode.stats import DecodeStats
 from services.peers import KnownPeers
@@ -56,6 +56,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         loop = self.state.engine
         try:
             params = sampling_from_proto(request.sampling)
+            lora, lora_digest = lora_from_proto(request.lora if request.HasField("lora") else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
@@ -85,13 +86,15 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         try:
             try:
                 if remote:  # the first token reaches q from the engine thread, ahead of the second
-                    await self.remote_prefill.run(request_id, ids, params, request, timings, trace)
+                    await self.remote_prefill.run(request_id, ids, params, request, timings, trace,
+                                                  (lora, lora_digest))
                 else:
                     self.stats.local_prefills += 1
                     await loop.call(lambda e: e.add_request(
                         request_id, ids, params, priority=request.priority,
                         cache_salt=request.cache_salt or None,
-                        num_resumed_tokens=request.resumed_output_tokens))
+                        num_resumed_tokens=request.resumed_output_tokens, lora=lora,
+                        lora_digest=lora_digest))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except ReserveTimeout as e:

@@ -16,6 +16,7 @@ from services.frontend.auth import Auth, Tenant, bearer
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher
 from services.frontend.errors import APIError
+from services.frontend.loras import LoRARegistry
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan, Preparer
 from services.frontend.request_run import RequestRun
@@ -42,10 +43,11 @@ class Frontend:
         # A request with more choices than the waiting room holds could never be
         # admitted: it is refused as too large (400), not told to retry (429).
         max_choices = min(config.max_choices, config.max_waiting_requests or config.max_choices)
+        self.loras = LoRARegistry(config.lora)
         self.preparer = Preparer(tokenizer, model_name, config.max_n, pool.max_model_len,
                                  max_prompts=config.max_prompts, max_choices=max_choices,
                                  max_prompt_chars=config.max_prompt_chars,
-                                 tool_call_parser=config.tool_call_parser)
+                                 tool_call_parser=config.tool_call_parser, loras=self.loras)
         self.admission = Admission(Limits(config.max_waiting_requests, config.max_waiting_prompt_tokens,
                                           config.max_requests_per_tenant))
         self.metrics.waiting.set_function(lambda: self.admission.waiting)
@@ -130,7 +132,7 @@ class Frontend:
                                 "owned_by": "splitserve", "root": self.model_name, "parent": None}
         if (max_len := self.pool.max_model_len()) is not None:
             card["max_model_len"] = max_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *self.loras.cards(self.model_name, self.created)]}
 
     def cluster(self) -> dict[str, Any]:
         router = self.dispatcher.router

@@ -18,6 +18,7 @@ from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 from services.convert import sampling_to_proto
 from services.frontend import errors
+from services.frontend.loras import LoRAEntry
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
 from services.frontend.results import Event
@@ -44,13 +45,14 @@ class Job:
     priority: int
     cache_salt: str
     resumed_tokens: int = 0  # the prompt's last tokens are this choice's output so far (a migration)
+    lora: LoRAEntry | None = None
 
     def to_proto(self, prefill_address: str) -> pb.WorkerGenerateRequest:
         return pb.WorkerGenerateRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             sampling=sampling_to_proto(self.params), priority=self.priority,
             cache_salt=self.cache_salt, prefill_address=prefill_address,
-            resumed_output_tokens=self.resumed_tokens)
+            resumed_output_tokens=self.resumed_tokens, lora=self.lora.to_proto() if self.lora else None)
 
 
 def plan_jobs(plan: Plan) -> list[Job]:
@@ -62,7 +64,7 @@ def plan_jobs(plan: Plan) -> list[Job]:
             index = p * n + i
             params = dataclasses.replace(prompt.params, n=1, seed=None if seed is None else seed + i)
             jobs.append(Job(index, p, prompt.token_ids, params, f"{plan.request_id}-{index}",
-                            plan.priority, plan.cache_salt))
+                            plan.priority, plan.cache_salt, lora=plan.lora))
     return jobs
 
 
@@ -161,7 +163,8 @@ class Dispatcher:
         start_ns = now_ns() if trace is not None else 0
         decodes = self.pool.healthy("decode", exclude=exclude)
         prefills = self.pool.healthy("prefill")
-        route = self.router.route(RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt),
+        route = self.router.route(RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt,
+                                               job.lora.digest if job.lora else ""),
                                   [w.snapshot() for w in decodes], [w.snapshot() for w in prefills])
         if route is None:
             if trace is not None:

@@ -52,7 +52,7 @@ class KVAwareRouter(LoadRouter):
             return self._by_load(decodes, prefills if remote else (), "no_layout")
         block_size, model_id = layout
         hashes = hash_blocks(request.prompt_token_ids, block_size,
-                             extra_keys(model_id, request.cache_salt or None))
+                             extra_keys(model_id, request.cache_salt or None, request.lora_id or None))
         try:
             hits = self._lookup(hashes) if hashes else {}
         except IndexUnavailable:

@@ -23,6 +23,7 @@ from protos import pb
 from services.convert import sampling_from_proto
 from services.frontend.errors import APIError, bad_request, from_value_error, model_not_found
 from services.frontend.guided import guided_decoding
+from services.frontend.loras import LoRAEntry, LoRARegistry
 from services.frontend.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from services.frontend.tokenizer import ChatTemplateError, Tokenizer
 from services.frontend.tool_parsers import make_parser
@@ -65,6 +66,7 @@ class Plan:
     logprobs: int | None = None  # alternatives to report per token; None: no logprobs
     tools: ToolPlan | None = None  # chat with tool calling: how to read calls out of the output
     echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its output
+    lora: LoRAEntry | None = None  # the adapter named as the model; None: the base model
 
     @property
     def n(self) -> int:
@@ -74,8 +76,10 @@ class Plan:
 class Preparer:
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_n: int,
                  max_model_len: Callable[[], int | None], *, max_prompts: int = 64, max_choices: int = 256,
-                 max_prompt_chars: int = 0, tool_call_parser: str = "hermes") -> None:
+                 max_prompt_chars: int = 0, tool_call_parser: str = "hermes",
+                 loras: LoRARegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.loras = loras  # adapters a request may name as its model
         self.tool_parser = make_parser(tool_call_parser)
         self.model_name = model_name
         self.max_n = max_n
@@ -169,14 +173,17 @@ class Preparer:
         prompts = [self._tokens(prompt, where, max_len)]
         explicit = "max_tokens" if req.sampling.HasField("max_tokens") else None
         plan = Plan(request_id, [], req.priority, req.cache_salt, stream=True, include_usage=True,
-                    logprobs=base.logprobs)
+                    logprobs=base.logprobs, lora=self.lora(req.model))
         return self._resolve(plan, prompts, base, explicit, base.max_tokens, "prompt")
 
     # -- pieces ------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
+        if model and model != self.model_name and self.lora(model) is None:
             raise model_not_found(model)
+
+    def lora(self, model: str | None) -> LoRAEntry | None:
+        return None if self.loras is None else self.loras.get(model)
 
     def completion_inputs(self, prompt: Any, max_len: int) -> list[tuple[str, str | list[int]]]:
         """str | list[str] | list[int] | list[list[int]] -> (field, text or token ids) per
@@ -290,7 +297,8 @@ class Preparer:
               base: SamplingParams, explicit: str | None, default_max: int | None,
               prompt_field: str, logprobs: int | None) -> Plan:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        plan = Plan(request_id, [], req.priority, req.cache_salt or "", req.stream, include_usage, logprobs)
+        plan = Plan(request_id, [], req.priority, req.cache_salt or "", req.stream, include_usage, logprobs,
+                    lora=self.lora(req.model))
         return self._resolve(plan, prompts, base, explicit, default_max, prompt_field)
 
     def _resolve(self, plan: Plan, prompts: list[list[int]], base: SamplingParams, explicit: str | None,

@@ -15,12 +15,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from protos import pb
+from services.frontend import lora_api
 from services.frontend import openai_format as fmt
 from services.frontend import tokenize_api as tok_api
 from services.frontend.auth import Auth, Tenant
@@ -109,7 +110,17 @@ def build_app(fe: Frontend) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         fe.preparer.check_model(model_id)  # 404 for any other name
-        return dict(fe.models()["data"][0])
+        return next(dict(c) for c in fe.models()["data"] if c["id"] == model_id)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> PlainTextResponse:
+        body = await read_body(request, fe.config.max_body_bytes)
+        return PlainTextResponse(await lora_api.load_lora_adapter(fe, body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> PlainTextResponse:
+        body = await read_body(request, fe.config.max_body_bytes)
+        return PlainTextResponse(lora_api.unload_lora_adapter(fe, body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class RouteRequest:
     request_id: str
     prompt_token_ids: Sequence[int]
     cache_salt: str = ""
+    lora_id: str = ""  # the adapter's digest, a block-hash key; empty: the base model
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import grpc
 from engine.kv_handoff import KVHandoff
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
-from services.convert import logprobs_to_proto, sampling_from_proto
+from services.convert import logprobs_to_proto, lora_from_proto, sampling_from_proto
 from services.kv_layout import layout_mismatch
 from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
@@ -63,6 +63,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             params = sampling_from_proto(request.sampling)
             # Only token 1 is made here; min_tokens still bans EOS for it.
             params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            lora, lora_digest = lora_from_proto(request.lora if request.HasField("lora") else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id
@@ -90,7 +91,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                 await loop.call(lambda e: e.add_request(request_id, ids, params, priority=request.priority,
                                                         cache_salt=request.cache_salt or None,
                                                         hold_blocks=True,
-                                                        num_resumed_tokens=request.resumed_output_tokens))
+                                                        num_resumed_tokens=request.resumed_output_tokens,
+                                                        lora=lora, lora_digest=lora_digest))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()

@@ -62,6 +62,12 @@ def test_no_key_no_service(fe: Frontend) -> None:
     assert complete(fe, None, prompt="Hi").status_code == 401
     assert complete(fe, "sk-integration-c", prompt="Hi").status_code == 401
     assert httpx.get(f"{fe.url}/cluster", timeout=10).status_code == 401
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # adapters change behind the key
+        body = {"lora_name": "x", "lora_path": "/x"}
+        assert httpx.post(f"{fe.url}{path}", json=body, timeout=10).status_code == 401
+        keyed = httpx.post(f"{fe.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"},
+                           timeout=10)
+        assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "lora_name"  # LoRA is off
     with grpc.insecure_channel(f"127.0.0.1:{fe.grpc_port}") as ch, pytest.raises(grpc.RpcError) as e:
         list(pb_grpc.FrontendStub(ch).Generate(pb.GenerateRequest(text="Hi"), timeout=30))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED

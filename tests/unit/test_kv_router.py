@@ -44,6 +44,17 @@ def test_cache_salt_is_part_of_the_hash() -> None:
     assert route(idx, [p("p0"), p("p1")], salt="tenant") == "p0:1"  # no hit: tie -> by address
 
 
+def test_lora_adapter_is_part_of_the_hash() -> None:
+    """Blocks an adapter computed route its requests, and only its requests, there."""
+    idx = EmbeddedPrefixIndex()
+    idx.apply("p1", [CacheEvent("stored", hash_blocks(PROMPT, BS, extra_keys(MODEL, None, "digest1"))[:8])])
+    idx.heartbeat("p1", 60)
+    router = KVAwareRouter(idx, lambda: (BS, MODEL), local_prefill_threshold=8)
+    for lora_id, want in (("digest1", "p1:1"), ("", "p0:1"), ("digest2", "p0:1")):
+        r = router.route(RouteRequest("r", PROMPT, "", lora_id), D, [p("p0"), p("p1")])
+        assert r is not None and r.prefill == want, lora_id
+
+
 def test_load_beats_affinity_when_the_queue_is_long() -> None:
     # p1 saves 8 blocks of recompute but has 200 tokens = 50 blocks queued.
     router = KVAwareRouter(index_with("p1", 8), lambda: (BS, MODEL), local_prefill_threshold=8)
