@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from engine.vocab.lora_request import LoRARequest
+from engine.vocab.lora_request import LoRAConfig
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -131,32 +131,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} "
                              f"(known: {', '.join(sorted(known))})")
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA adapters (vLLM's flags).  enable_lora: requests may name adapters,
-    loaded at run time; lora_modules are loaded at start-up (and imply it)."""
-
-    enable_lora: bool = False
-    max_loras: int = 1  # adapters held at once; the least recently used goes first
-    max_lora_rank: int = 16
-    lora_modules: tuple[LoRARequest, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
-        names = [m.lora_name for m in self.lora_modules]
-        if len(set(names)) != len(names):
-            raise ValueError("lora_modules: an adapter name is given twice")
-        if len(names) > self.max_loras:
-            raise ValueError(f"lora_modules: {len(names)} adapters, max_loras is {self.max_loras}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
 
 
 @dataclass(frozen=True)

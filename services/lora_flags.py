@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import LoRAConfig
-from engine.vocab.lora_request import LoRARequest, parse_lora_module
+from engine.vocab.lora_request import LoRAConfig, LoRARequest, parse_lora_module
 
 
 def lora_module(value: str) -> LoRARequest:

@@ -109,3 +109,29 @@ def check_adapter(path: str | Path, max_rank: int) -> None:
         if m is None or m.group(2) not in TARGETS:
             raise ValueError(f"lora_path: adapter weight {name!r} targets a module this engine does not "
                              f"adapt (it adapts {', '.join(sorted(TARGETS))})")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags).  enable_lora: requests may name adapters,
+    loaded at run time; lora_modules are loaded at start-up (and imply it)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters held at once; the least recently used goes first
+    max_lora_rank: int = 16
+    lora_modules: tuple[LoRARequest, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        names = [m.lora_name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError("lora_modules: an adapter name is given twice")
+        if len(names) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(names)} adapters, max_loras is {self.max_loras}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)

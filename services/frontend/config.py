@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.config import LoRAConfig
+from engine.vocab.lora_request import LoRAConfig
 from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.frontend.tool_parsers import PARSERS
 from services.help_format import DefaultsHelpFormatter

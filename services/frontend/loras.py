@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import LoRAConfig
-from engine.vocab.lora_request import LoRARequest, adapter_digest, check_adapter
+from engine.vocab.lora_request import LoRAConfig, LoRARequest, adapter_digest, check_adapter
 from protos import pb
 from services.frontend.errors import APIError, bad_request
 
