@@ -95,7 +95,7 @@ class RemotePrefill:
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       request: pb.WorkerGenerateRequest, lora: LoRAPick) -> KVHandoff:
+                       request: pb.WorkerGenerateRequest, lora: LoRAPick = (None, None)) -> KVHandoff:
         """Blocks first, KV second (invariant 2): wait, bounded, until the pool has room."""
         deadline = time.monotonic() + self.reserve_timeout
 
