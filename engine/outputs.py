@@ -12,8 +12,10 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One generated position: token id -> its logprob (the sampled token and the top ones).
+# One position: token id -> its logprob (the sampled or prompt token and the top ones).
 PositionLogprobs = dict[int, Logprob]
+# vLLM's shape: one entry per prompt token, the first None (nothing predicts it).
+PromptLogprobs = list[PositionLogprobs | None]
 
 
 @dataclass
@@ -30,6 +32,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: float = 0.0  # seconds from arrival to first scheduled
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output, when asked for
 
 
 @dataclass
@@ -54,3 +57,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.hashing import BlockHash, hash_blocks
+from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Structured output: an engine.guided.Grammar that every output token advances.
         self.grammar = grammar
+        # params.prompt_logprobs: entry i is prompt token i + 1's, filled as the
+        # prefill runs (or handed over whole by a prefill worker); None once it
+        # went out with the first output, or when not asked for.
+        self.prompt_logprobs: list[PositionLogprobs] | None = (
+            [] if params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

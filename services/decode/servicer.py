@@ -19,7 +19,12 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
-from services.convert import logprobs_to_proto, sampling_from_proto
+from services.convert import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from services.peers import KnownPeers
 from services.tracing import now_ns
 from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
@@ -118,7 +123,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                     clock.output(out)
                     if out.finished:
                         clock.finish(out.finish_reason or "stop")
-                yield self._response(out, remote, timings)
+                yield self._response(out, remote, timings, ids)
                 timings = {}
                 if out.finished:
                     finished = True
@@ -133,8 +138,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 await self.transport.cancel(rid)
                 await loop.call(lambda e: e.abort(rid))
 
-    def _response(self, out: StepOutput, remote: bool,
-                  timings: dict[str, float]) -> pb.WorkerGenerateResponse:
+    def _response(self, out: StepOutput, remote: bool, timings: dict[str, float],
+                  prompt_ids: list[int]) -> pb.WorkerGenerateResponse:
         logprobs = [logprobs_to_proto(t, pos) for t, pos in
                     zip(out.new_token_ids, out.new_logprobs or [], strict=False)]
         return pb.WorkerGenerateResponse(
@@ -142,7 +147,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             finish_reason=out.finish_reason or "",
             stop_reason="" if out.stop_reason is None else str(out.stop_reason),
             prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-            remote_prefill=remote, timings=timings)
+            remote_prefill=remote, timings=timings,
+            prompt_logprobs=prompt_logprobs_to_proto(prompt_ids, out.prompt_logprobs or []))
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams,
                        request: pb.WorkerGenerateRequest) -> tuple[list[int], int]:
@@ -210,7 +216,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         ft = resp.first_token
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
         t_landed = time.monotonic()
-        await loop.call(lambda eng: loop.emit([eng.remote_kv_landed(rid, first)])
+        prompt_lps = [logprobs_from_proto(m) for m in resp.prompt_logprobs] if resp.prompt_logprobs else None
+        await loop.call(lambda eng: loop.emit([eng.remote_kv_landed(rid, first, prompt_lps)])
                         if rid in eng.scheduler.requests else None)  # else aborted meanwhile
         timings.update(prefill=resp.prefill_seconds, transfer=resp.transfer_seconds,
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)
