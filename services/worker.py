@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from protos import pb
 from services.cluster_auth import add_cluster_token_arg, cluster_token, server_interceptors, warn_if_open
 from services.engine_loop import EngineDead, EngineLoop
+from services.help_format import add_host_arg
 from services.peers import KnownPeers
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import Tracing, add_tracing_args
@@ -38,7 +39,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
 
     add_engine_args(p)
     g = p.add_argument_group("worker")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add_host_arg(g, "the worker (gRPC and UCX)")
     g.add_argument("--grpc-port", type=int, default=0, help="0: pick a free port")
     g.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick a free port)")
     g.add_argument("--worker-id", default=None,
