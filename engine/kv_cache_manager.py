@@ -35,8 +35,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached run of the request's leading full blocks.  At least
-        one token is always left to compute, so the step has logits to sample."""
-        if not self.enable_caching:
+        one token is always left to compute, so the step has logits to sample.
+        A request that still wants its prompt's logprobs takes no hits: every
+        position is computed (as vLLM does), at the cost of its prefill."""
+        if not self.enable_caching or req.prompt_logprobs is not None:
             return [], 0
         hashes = req.update_block_hashes(self.block_size)
         max_blocks = (req.num_tokens - 1) // self.block_size

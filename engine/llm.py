@@ -88,7 +88,8 @@ class LLM:
                 ro = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
                 results.append(ro)
                 for j in range(p.n):
-                    child = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    child = replace(p, n=1, seed=None if p.seed is None else p.seed + j,
+                                    prompt_logprobs=p.prompt_logprobs if j == 0 else None)  # shared
                     cid = f"{rid}-{j}"
                     self.engine.add_request(cid, ids, child,
                                             priority=priority[i] if priority else 0,
@@ -116,6 +117,8 @@ class LLM:
                     co.cumulative_logprob = sum(
                         pos[t].logprob for pos, t in zip(co.logprobs, co.token_ids, strict=True))
                 ro.num_cached_tokens = max(ro.num_cached_tokens, out.num_cached_tokens)
+                if out.prompt_logprobs is not None:  # each of n choices computes the same
+                    ro.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     co.finish_reason, co.stop_reason = out.finish_reason, out.stop_reason
                     pending.discard(out.request_id)

@@ -15,7 +15,7 @@ from engine.kv_handoff import KVHandoff
 from engine.lora import LoRAAdapter
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_tokenizer, model_name, resolve_model
-from engine.outputs import Logprob, PositionLogprobs, StepOutput
+from engine.outputs import Logprob, PositionLogprobs, PromptLogprobs, StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
 from engine.scheduler import Scheduler
@@ -60,6 +60,7 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}  # logprobs name each token by its text
 
     @property
     def max_model_len(self) -> int:
@@ -175,8 +176,12 @@ class LLMEngine:
                          lora=None if adapter is None else LoRARequest(adapter.name, adapter.path),
                          lora_digest="" if adapter is None else adapter.digest)
 
-    def remote_kv_landed(self, request_id: str, first_token: SampledToken) -> StepOutput:
+    def remote_kv_landed(self, request_id: str, first_token: SampledToken,
+                         prompt_logprobs: list[PositionLogprobs] | None = None) -> StepOutput:
+        """prompt_logprobs: what the prefill worker computed (entry i: prompt token i + 1)."""
         req = self.scheduler.remote_kv_landed(request_id, first_token)
+        if req.prompt_logprobs is not None and prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         return self._output(req, [first_token])
 
     def remote_kv_failed(self, request_id: str) -> None:
@@ -203,7 +208,14 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan, self.spec.draft_probs if self.spec is not None else None)
+        draft_probs = self.spec.draft_probs if self.spec is not None else None
+        sampled, prompt_stats = self.runner.execute(plan, draft_probs)
+        for rid, stats in prompt_stats.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:  # else aborted meanwhile
+                tokens = req.prompt_token_ids[len(req.prompt_logprobs) + 1:]
+                req.prompt_logprobs += [self._position_logprobs(t, lp, rank, top)
+                                        for t, (lp, rank, top) in zip(tokens, stats, strict=False)]
         for seq in plan.seqs:
             prompt_end = min(seq.start + seq.num_new_tokens, seq.request.num_prompt_tokens)
             self.prompt_tokens_computed += max(0, prompt_end - seq.start)
@@ -247,23 +259,36 @@ class LLMEngine:
             text += detok.flush()
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = [self._position_logprobs(tok) for tok in emitted]
+            logprobs = [self._position_logprobs(t.token_id, t.logprob, t.rank, t.top_logprobs)
+                        for t in emitted]
+        prompt_logprobs: PromptLogprobs | None = None
+        if req.prompt_logprobs is not None:  # the first output: the prompt is all computed
+            prompt_logprobs, req.prompt_logprobs = [None, *req.prompt_logprobs], None
         out = StepOutput(req.request_id, [t.token_id for t in emitted], text, logprobs,
                          finished=req.status.finished, finish_reason=req.status.finish_reason,
                          stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
                          num_cached_tokens=max(req.num_cached_tokens, 0),
-                         queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
+                         queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
+                         prompt_logprobs=prompt_logprobs)
         if req.status.finished:
             del self._detok[req.request_id]
         return out
 
-    def _position_logprobs(self, tok: SampledToken) -> PositionLogprobs:
+    def _position_logprobs(self, token_id: int, logprob: float, rank: int,
+                           top: dict[int, float]) -> PositionLogprobs:
+        """The top alternatives ranked 1..k, and the position's own token with its rank."""
         out: PositionLogprobs = {}
-        for rank, (tid, lp) in enumerate(sorted(tok.top_logprobs.items(), key=lambda kv: -kv[1]), 1):
-            out[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
-        if tok.token_id not in out:
-            out[tok.token_id] = Logprob(tok.logprob, tok.rank, self.tokenizer.decode([tok.token_id]))
+        for r, (tid, lp) in enumerate(sorted(top.items(), key=lambda kv: -kv[1]), 1):
+            out[tid] = Logprob(lp, r, self._token_text(tid))
+        if token_id not in out:
+            out[token_id] = Logprob(logprob, rank, self._token_text(token_id))
         return out
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 def _eos_ids(hf_cfg: dict, model_dir, tokenizer) -> frozenset[int]:  # type: ignore[no-untyped-def]

@@ -22,12 +22,14 @@ from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, bare_modules
-from engine.sampler import SampledToken, SamplingRow, sample
+from engine.sampler import SampledToken, SamplingRow, TokenStats, gather_logprobs, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode.rejection import VerifyItem, rejection_sample
 
 log = logging.getLogger(__name__)
 
+# Prompt logprobs are computed this many positions at a time ([rows, V] float32 logits).
+PROMPT_LOGPROB_ROWS = 256
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -215,9 +217,12 @@ class ModelRunner:
         return build_inputs([seq_chunk(s) for s in seqs], self.block_size, self.device)
 
     @torch.inference_mode()
-    def forward_logits(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [S, V] float32 for each sequence that samples: at its last
-        known token, then at each of its draft tokens (1 + drafts rows)."""
+    def forward_logits(self, seqs: Sequence[ScheduledSeq],
+                       ) -> tuple[torch.Tensor, dict[str, list[TokenStats]]]:
+        """-> logits [S, V] float32 for each sequence that samples: at its last
+        known token, then at each of its draft tokens (1 + drafts rows); and
+        per sequence that wants them, the logprobs of the prompt tokens this
+        chunk predicts (the next ones its request lacks)."""
         input_ids, positions, meta = self.prepare(seqs)
         if self.lora is None:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
@@ -225,19 +230,37 @@ class ModelRunner:
             with self.lora.apply([(s.request.lora, s.num_new_tokens) for s in seqs]):
                 hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
         rows: list[int] = []
+        prompt: dict[str, list[TokenStats]] = {}
         end = 0
         for s in seqs:
-            end += s.num_new_tokens
+            begin, end = end, end + s.num_new_tokens
             if s.sample:
                 rows += range(end - 1 - len(s.spec_token_ids), end)
-        return self.model.compute_logits(hidden[rows])
+            span = prompt_logprob_positions(s)
+            if span:
+                prompt[s.request.request_id] = self._prompt_logprobs(
+                    hidden[begin + span.start - s.start:begin + span.stop - s.start],
+                    s.request.prompt_token_ids[span.start + 1:span.stop + 1],
+                    s.request.params.prompt_logprobs or 0)
+        return self.model.compute_logits(hidden[rows]), prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenStats]:
+        """hidden: [P, H] at prompt positions; targets: the token after each.
+        In slices, so a long prompt never holds [P, V] logits at once."""
+        out: list[TokenStats] = []
+        for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logits = self.model.compute_logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
+            ids = torch.tensor(targets[i:i + PROMPT_LOGPROB_ROWS], device=logits.device)
+            out += gather_logprobs(logits, ids, [k] * len(ids))
+        return out
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, draft_probs: Mapping[str, torch.Tensor] | None = None,
-                ) -> dict[str, list[SampledToken]]:
+                ) -> tuple[dict[str, list[SampledToken]], dict[str, list[TokenStats]]]:
         """-> per sampling request, its new tokens: one, or when it verified
-        drafts, the accepted drafts and one more.  draft_probs: the proposal
-        distributions [k, V] of drafts that were sampled (not one-hot)."""
+        drafts, the accepted drafts and one more; and per request that wants
+        them, the prompt logprobs this step computed.  draft_probs: the
+        proposal distributions [k, V] of drafts that were sampled (not one-hot)."""
         # Decodes and verifications first: the attention path batches them.
         seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.spec_token_ids))
         sampling = [s for s in seqs if s.sample]
@@ -245,16 +268,16 @@ class ModelRunner:
         masks = None
         if any(s.request.grammar is not None for s in sampling):
             masks = self._mask_pool().submit(fill_grammar_masks, sampling, self.spec.vocab_size)
-        logits = self.forward_logits(seqs)
+        logits, prompt = self.forward_logits(seqs)
         if not sampling:
-            return {}
+            return {}, prompt
         bitmasks = masks.result() if masks is not None else {}
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
                             s.request.rng, s.request.eos_token_ids,
                             _first(bitmasks.get(s.request.request_id))) for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
             tokens = sample(logits, rows)
-            return {s.request.request_id: [t] for s, t in zip(sampling, tokens, strict=True)}
+            return {s.request.request_id: [t] for s, t in zip(sampling, tokens, strict=True)}, prompt
         probs = draft_probs or {}
         items = []
         for s, row in zip(sampling, rows, strict=True):
@@ -263,7 +286,7 @@ class ModelRunner:
             items.append(VerifyItem(row, s.spec_token_ids, None if q is None or not k else q[:k],
                                     bitmasks.get(s.request.request_id)))
         emitted = rejection_sample(logits, items)
-        return {s.request.request_id: toks for s, toks in zip(sampling, emitted, strict=True)}
+        return {s.request.request_id: toks for s, toks in zip(sampling, emitted, strict=True)}, prompt
 
 
 def fill_grammar_masks(seqs: Sequence[ScheduledSeq], vocab_size: int) -> dict[str, torch.Tensor]:
@@ -277,6 +300,20 @@ def fill_grammar_masks(seqs: Sequence[ScheduledSeq], vocab_size: int) -> dict[st
             grammar.fill_with_drafts(bm, 0, s.spec_token_ids)
             out[s.request.request_id] = bm
     return out
+
+
+def prompt_logprob_positions(seq: ScheduledSeq) -> range:
+    """The positions p of this chunk whose logits give prompt token p + 1's
+    logprob, from the first one its request lacks (a recompute after a
+    preemption does not repeat them)."""
+    req = seq.request
+    if req.prompt_logprobs is None:
+        return range(0)
+    lo = max(seq.start, len(req.prompt_logprobs))
+    hi = min(seq.start + seq.num_new_tokens - len(seq.spec_token_ids), req.num_prompt_tokens - 1)
+    if seq.start > len(req.prompt_logprobs):  # a gap: prefix hits are refused for such requests
+        return range(0)
+    return range(lo, max(lo, hi))
 
 
 def _first(bitmask: torch.Tensor | None) -> torch.Tensor | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.vocab.logprobs import Logprob, PositionLogprobs
+from engine.vocab.logprobs import Logprob, PositionLogprobs, PromptLogprobs
 
-__all__ = ["Logprob", "PositionLogprobs", "StepOutput", "CompletionOutput", "RequestOutput"]
+__all__ = ["Logprob", "PositionLogprobs", "PromptLogprobs", "StepOutput", "CompletionOutput", "RequestOutput"]
 
 
 @dataclass
@@ -23,6 +23,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: float = 0.0  # seconds from arrival to first scheduled
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output, when asked for
 
 
 @dataclass
@@ -47,3 +48,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs

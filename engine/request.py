@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.vocab.hashing import BlockHash, hash_blocks
+from engine.vocab.logprobs import PositionLogprobs
 from engine.vocab.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,11 @@ class Request:
         self.grammar = grammar
         # The engine's LoRAAdapter (engine.lora) this request runs with; None: the base model.
         self.lora = lora
+        # params.prompt_logprobs: entry i is prompt token i + 1's, filled as the
+        # prefill runs (or handed over whole by a prefill worker); None once it
+        # went out with the first output, or when not asked for.
+        self.prompt_logprobs: list[PositionLogprobs] | None = (
+            [] if params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

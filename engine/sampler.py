@@ -49,6 +49,10 @@ class SampledToken:
     top_logprobs: dict[int, float] = field(default_factory=dict)
 
 
+# One position's (logprob of its token, 1-based rank, top alternatives' logprobs).
+TokenStats = tuple[float, int, dict[int, float]]
+
+
 def is_greedy(params: SamplingParams) -> bool:
     return params.greedy  # below SAMPLING_EPS (engine/vocab/sampling_params.py)
 
@@ -261,24 +265,22 @@ def draw_uniforms(rows: Sequence[SamplingRow]) -> list[float]:
 
 
 def gather_logprobs(
-    raw_logits: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow]
-) -> list[tuple[float, int, dict[int, float]]]:
-    """-> per row (logprob of token, 1-based rank, top logprobs) from the raw logits."""
+    raw_logits: Tensor, token_ids: Tensor, num_top: Sequence[int]
+) -> list[TokenStats]:
+    """raw_logits: [B, V], token_ids: [B], num_top: per row how many top
+    alternatives -> per row (logprob of token, 1-based rank, top logprobs)."""
     logprobs = raw_logits.float().log_softmax(dim=-1)  # [B, V]
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # [B]
-    num_top = max((r.params.logprobs or 0) for r in rows)
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_vals: list[list[float]] = [[] for _ in rows]
-    if num_top > 0:
-        top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+    most = max(num_top, default=0)
+    top_ids: list[list[int]] = [[] for _ in num_top]
+    top_vals: list[list[float]] = [[] for _ in num_top]
+    if most > 0:
+        top = logprobs.topk(min(most, logprobs.shape[1]), dim=-1)
         top_ids, top_vals = top.indices.tolist(), top.values.tolist()
     chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
-    out = []
-    for i, r in enumerate(rows):
-        k = r.params.logprobs or 0
-        out.append((chosen_list[i], rank_list[i], dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True))))
-    return out
+    return [(chosen_list[i], rank_list[i], dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
+            for i, k in enumerate(num_top)]
 
 
 def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
@@ -295,7 +297,7 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     if all(r.params.logprobs is None for r in rows):
         # Nobody asked: skip the [B, V] log_softmax.
         return [SampledToken(token_id=t, logprob=math.nan, rank=0) for t in token_ids.tolist()]
-    logprobs = gather_logprobs(logits, token_ids, rows)
+    logprobs = gather_logprobs(logits, token_ids, [r.params.logprobs or 0 for r in rows])
     return [
         SampledToken(token_id=t, logprob=lp, rank=rank, top_logprobs=top)
         for t, (lp, rank, top) in zip(token_ids.tolist(), logprobs, strict=True)

@@ -13,22 +13,18 @@ With API keys configured, pass one with --api-key or SPLITSERVE_API_KEY.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import grpc
+from example_args import example_parser
 
 from protos import pb, pb_grpc
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("prompt")
-    p.add_argument("--address", default="localhost:50051", help="the frontend's gRPC address")
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+    p = example_parser(__doc__, grpc=True)
+    p.add_argument("prompt", help="the text to complete")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     args = p.parse_args()
 
     request = pb.GenerateRequest(

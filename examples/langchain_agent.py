@@ -7,11 +7,10 @@ tool call, answered with the tool's result in a second turn.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from typing import Literal
 
+from example_args import example_parser
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -32,10 +31,7 @@ class GetWeather(BaseModel):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://localhost:8000/v1")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p = example_parser(__doc__)
     args = p.parse_args()
     llm = ChatOpenAI(model=args.model, base_url=args.base_url, api_key=args.api_key, temperature=0,
                      max_tokens=80)

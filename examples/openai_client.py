@@ -8,18 +8,14 @@ With API keys configured, pass one with --api-key (or OPENAI_API_KEY).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
 import openai
+from example_args import example_parser
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://localhost:8000/v1")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p = example_parser(__doc__)
     args = p.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key)
     ask = [{"role": "user", "content": "Name a city in Norway."}]

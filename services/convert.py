@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from engine.vocab.guided_params import GuidedDecoding
-from engine.vocab.logprobs import PositionLogprobs
+from engine.vocab.logprobs import Logprob, PositionLogprobs, PromptLogprobs
 from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 
 _OPTIONAL = ("n", "temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs",
-             "skip_special_tokens")
+             "skip_special_tokens", "prompt_logprobs")
 _PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
           "include_stop_str_in_output", "disable_speculation")
 
@@ -81,7 +81,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def logprobs_to_proto(token_id: int, pos: PositionLogprobs) -> pb.TokenLogprobs:
     chosen = pos[token_id]
-    top = [pb.TopLogprob(token_id=t, logprob=lp.logprob, token=lp.decoded_token or "")
+    top = [pb.TopLogprob(token_id=t, logprob=lp.logprob, token=lp.decoded_token or "", rank=lp.rank or 0)
            for t, lp in sorted(pos.items(), key=lambda kv: -kv[1].logprob)]
     return pb.TokenLogprobs(token_id=token_id, logprob=chosen.logprob, rank=chosen.rank or 0,
                             token=chosen.decoded_token or "", top=top)
@@ -93,3 +93,18 @@ def lora_from_proto(msg: pb.LoRAAdapter | None) -> tuple[LoRARequest | None, str
     if msg is None or not msg.name:
         return None, None
     return LoRARequest(msg.name, msg.path), msg.digest or None
+
+
+def logprobs_from_proto(msg: pb.TokenLogprobs) -> PositionLogprobs:
+    """The inverse of logprobs_to_proto: every entry of `top`, and the position's own token."""
+    pos = {t.token_id: Logprob(t.logprob, t.rank or None, t.token) for t in msg.top}
+    pos[msg.token_id] = Logprob(msg.logprob, msg.rank or None, msg.token)
+    return pos
+
+
+def prompt_logprobs_to_proto(prompt_ids: list[int], entries: PromptLogprobs) -> list[pb.TokenLogprobs]:
+    """vLLM's list (first entry None) -> one TokenLogprobs per prompt token after the first."""
+    if not entries:
+        return []
+    return [logprobs_to_proto(t, pos) for t, pos in zip(prompt_ids[1:], entries[1:], strict=True)
+            if pos is not None]

@@ -25,3 +25,10 @@ def with_defaults(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 with_defaults(sub)
+
+
+def add_host_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                 listener: str = "this service") -> None:
+    """--host, the same for every command: loopback unless told otherwise."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"address {listener} listens on (0.0.0.0: every interface)")

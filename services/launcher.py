@@ -23,6 +23,7 @@ from services.affinity import format_cpu_list, plan_affinity, usable_cpus
 from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
 from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
 from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, check_security
+from services.help_format import add_host_arg
 from services.lora_flags import add_lora_args, lora_argv, lora_config_from_args
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
@@ -195,7 +196,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
     g.add_argument("--decode", type=int, default=1, help="decode workers")
-    g.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    add_host_arg(g, "every service")
     g.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
     g.add_argument("--grpc-port", type=int, default=50051, help="the frontend's gRPC port")
     g.add_argument("--redis-url", default=None, help="Redis for the prefix index (default: embedded)")

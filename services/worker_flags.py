@@ -20,6 +20,7 @@ from engine.config import (
     engine_config,
 )
 from services.cluster_auth import add_cluster_token_arg
+from services.help_format import add_host_arg
 from services.lora_flags import add_lora_args, lora_config_from_args
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import add_tracing_args
@@ -76,7 +77,7 @@ def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
     g = p.add_argument_group("worker")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add_host_arg(g, "the worker (gRPC and UCX)")
     g.add_argument("--grpc-port", type=int, default=0, help="0: pick a free port")
     g.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick a free port)")
     g.add_argument("--worker-id", default=None,

@@ -167,7 +167,7 @@ def _with_logprobs(logits: Tensor, rows: list[SamplingRow], items: Sequence[Veri
     positions = [off + j for off, toks in zip(offsets, emitted, strict=False) for j in range(len(toks))]
     flat = [t for toks in emitted for t in toks]
     stats = gather_logprobs(logits[positions], torch.tensor(flat, device=logits.device),
-                            [rows[i] for i in positions])
+                            [rows[i].params.logprobs or 0 for i in positions])
     out, it = [], iter(zip(flat, stats, strict=True))
     for toks in emitted:
         out.append([SampledToken(t, lp, rank, top) for t, (lp, rank, top) in

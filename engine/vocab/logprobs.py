@@ -13,5 +13,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One generated position: token id -> its logprob (the sampled token and the top ones).
+# One position: token id -> its logprob (the sampled or prompt token and the top ones).
 PositionLogprobs = dict[int, Logprob]
+# vLLM's shape: one entry per prompt token, the first None (nothing predicts it).
+PromptLogprobs = list[PositionLogprobs | None]

@@ -52,6 +52,9 @@ class SamplingParams:
     min_tokens: int = 0
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens (vLLM's extra): each position's token
+    # and this many alternatives, computed during prefill.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Opt out of speculative decoding for this request.
@@ -120,10 +123,10 @@ class SamplingParams:
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
                "must be a GuidedDecoding")
-        if self.logprobs is not None:
-            _check(isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                   and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-                   f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS),
+                   name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from engine.vocab.sampling_params import SamplingParams
 from kvtransfer.transport import KVTransport
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
+from services.convert import logprobs_from_proto
 from services.decode.stats import DecodeStats
 from services.kv_layout import layout_to_proto
 from services.tracing import now_ns
@@ -89,7 +90,8 @@ class RemotePrefill:
         first = SampledToken(ft.token_id, ft.logprob, ft.rank, {t.token_id: t.logprob for t in ft.top})
         t_landed = time.monotonic()
         loop = self.state.engine
-        await loop.call(lambda e: loop.emit([e.remote_kv_landed(request_id, first)])
+        prompt_lps = [logprobs_from_proto(m) for m in resp.prompt_logprobs] if resp.prompt_logprobs else None
+        await loop.call(lambda e: loop.emit([e.remote_kv_landed(request_id, first, prompt_lps)])
                         if request_id in e.scheduler.requests else None)  # else aborted meanwhile
         timings.update(prefill=resp.prefill_seconds, transfer=resp.transfer_seconds,
                        rpc_and_wait=t_landed - t0, admit=time.monotonic() - t_landed)

@@ -15,7 +15,12 @@ from engine.outputs import StepOutput
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
-from services.convert import logprobs_to_proto, lora_from_proto, sampling_from_proto
+from services.convert import (
+    logprobs_to_proto,
+    lora_from_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, ReserveTimeout
 from services.decode.stats import DecodeStats
 from services.peers import KnownPeers
@@ -112,7 +117,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                     clock.output(out)
                     if out.finished:
                         clock.finish(out.finish_reason or "stop")
-                yield self._response(out, remote, timings)
+                yield self._response(out, remote, timings, ids)
                 timings = {}
                 if out.finished:
                     finished = True
@@ -127,8 +132,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
                 await self.transport.cancel(request_id)
                 await loop.call(lambda e: e.abort(request_id))
 
-    def _response(self, out: StepOutput, remote: bool,
-                  timings: dict[str, float]) -> pb.WorkerGenerateResponse:
+    def _response(self, out: StepOutput, remote: bool, timings: dict[str, float],
+                  prompt_ids: list[int]) -> pb.WorkerGenerateResponse:
         logprobs = [logprobs_to_proto(t, pos) for t, pos in
                     zip(out.new_token_ids, out.new_logprobs or [], strict=False)]
         return pb.WorkerGenerateResponse(
@@ -136,7 +141,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             finish_reason=out.finish_reason or "",
             stop_reason="" if out.stop_reason is None else str(out.stop_reason),
             prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-            remote_prefill=remote, timings=timings)
+            remote_prefill=remote, timings=timings,
+            prompt_logprobs=prompt_logprobs_to_proto(prompt_ids, out.prompt_logprobs or []))
 
     async def before_free(self, request_id: str) -> None:
         """Abort: no byte of the request's KV transfer lands once this returns (invariant 3)."""

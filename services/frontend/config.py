@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine.vocab.lora_request import LoRAConfig
 from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.frontend.tool_parsers import PARSERS
-from services.help_format import DefaultsHelpFormatter
+from services.help_format import DefaultsHelpFormatter, add_host_arg
 from services.lora_flags import add_lora_args, lora_config_from_args
 from services.secret_env import secret_from_env
 from services.tracing import add_tracing_args
@@ -134,7 +134,7 @@ def api_keys(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.frontend", formatter_class=DefaultsHelpFormatter,
                                 description="splitserve frontend: OpenAI REST + gRPC, tokenizer, router")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add_host_arg(p, "the frontend (REST and gRPC)")
     p.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC Frontend.Generate port")
     p.add_argument("--model", default=None,

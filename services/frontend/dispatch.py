@@ -62,7 +62,9 @@ def plan_jobs(plan: Plan) -> list[Job]:
         n, seed = prompt.params.n, prompt.params.seed
         for i in range(n):
             index = p * n + i
-            params = dataclasses.replace(prompt.params, n=1, seed=None if seed is None else seed + i)
+            # A prompt's choices share its prompt logprobs: the first computes them.
+            params = dataclasses.replace(prompt.params, n=1, seed=None if seed is None else seed + i,
+                                         prompt_logprobs=prompt.params.prompt_logprobs if i == 0 else None)
             jobs.append(Job(index, p, prompt.token_ids, params, f"{plan.request_id}-{index}",
                             plan.priority, plan.cache_salt, lora=plan.lora))
     return jobs
@@ -81,8 +83,9 @@ def resume(job: Job, relayed: list[int], migration: int) -> Job | None:
     n = len(relayed)
     if p.max_tokens is not None and p.max_tokens - n < 1:
         return None
+    # The client has the prompt logprobs already (they came with the first token).
     params = dataclasses.replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
-                                 min_tokens=max(0, p.min_tokens - n))
+                                 min_tokens=max(0, p.min_tokens - n), prompt_logprobs=None)
     return dataclasses.replace(job, prompt_token_ids=[*job.prompt_token_ids, *relayed], params=params,
                                request_id=f"{job.request_id}-m{migration}", resumed_tokens=n)
 

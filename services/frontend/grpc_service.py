@@ -54,6 +54,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 msg = event.msg
                 yield pb.GenerateResponse(request_id=echo, index=event.index, token_ids=msg.token_ids,
                                           text=msg.text, logprobs=msg.logprobs,
+                                          prompt_logprobs=msg.prompt_logprobs,
                                           finish_reason=msg.finish_reason, stop_reason=msg.stop_reason)
             status = "200"
             yield pb.GenerateResponse(request_id=echo, usage=run.results.usage().to_proto())

@@ -45,6 +45,21 @@ def _alternatives(pos: pb.TokenLogprobs, k: int) -> list[pb.TopLogprob]:
     return list(pos.top[:k])
 
 
+def prompt_logprobs_json(entries: Sequence[pb.TokenLogprobs] | None) -> list[dict[int, Any] | None]:
+    """vLLM's shape: None for the first prompt token (nothing predicts it), then
+    per token {token id: {logprob, rank, decoded_token}} for it and its alternatives."""
+    out: list[dict[int, Any] | None] = [None]
+    for pos in entries or ():
+        alts = {t.token_id: _vllm_logprob(t) for t in pos.top}
+        alts[pos.token_id] = _vllm_logprob(pos)
+        out.append(alts)
+    return out
+
+
+def _vllm_logprob(t: pb.TokenLogprobs | pb.TopLogprob) -> dict[str, Any]:
+    return {"logprob": _lp(t.logprob), "rank": t.rank or None, "decoded_token": t.token}
+
+
 # -- /v1/completions ----------------------------------------------------------------
 
 
@@ -63,17 +78,24 @@ def completion_logprobs(positions: Sequence[pb.TokenLogprobs], k: int, text_offs
             "text_offset": offsets}
 
 
-def completion_choice(c: Choice, logprobs: int | None, echo: str = "") -> dict[str, Any]:
-    return {"index": c.index, "text": echo + c.text,
-            "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, logprobs, 0),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+def completion_choice(c: Choice, logprobs: int | None, echo: str = "",
+                      prompt_logprobs: bool = False) -> dict[str, Any]:
+    choice = {"index": c.index, "text": echo + c.text,
+              "logprobs": None if logprobs is None else completion_logprobs(c.logprobs, logprobs, 0),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if prompt_logprobs:
+        choice["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs)
+    return choice
 
 
 def completion_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
-                        logprobs: int | None, echo: Sequence[str] | None = None) -> dict[str, Any]:
-    """echo: each prompt's text, put before its choices' text."""
+                        logprobs: int | None, echo: Sequence[str] | None = None,
+                        prompt_logprobs: bool = False) -> dict[str, Any]:
+    """echo: each prompt's text, put before its choices' text.  prompt_logprobs:
+    each choice carries its prompt's (vLLM's shape)."""
     return env.wrap("text_completion",
-                    [completion_choice(c, logprobs, echo[c.prompt_index] if echo else "") for c in choices],
+                    [completion_choice(c, logprobs, echo[c.prompt_index] if echo else "", prompt_logprobs)
+                     for c in choices],
                     usage=usage.to_openai(), system_fingerprint=None)
 
 
@@ -116,9 +138,12 @@ def chat_choice(c: Choice, logprobs: int | None, tools: ToolPlan | None = None) 
 
 
 def chat_response(env: Envelope, choices: Sequence[Choice], usage: Usage,
-                  logprobs: int | None, tools: ToolPlan | None = None) -> dict[str, Any]:
+                  logprobs: int | None, tools: ToolPlan | None = None,
+                  prompt_logprobs: bool = False) -> dict[str, Any]:
+    """prompt_logprobs: the (one) prompt's, beside the choices (vLLM's shape)."""
+    extra = {"prompt_logprobs": prompt_logprobs_json(choices[0].prompt_logprobs)} if prompt_logprobs else {}
     return env.wrap("chat.completion", [chat_choice(c, logprobs, tools) for c in choices],
-                    usage=usage.to_openai(), system_fingerprint=None)
+                    usage=usage.to_openai(), system_fingerprint=None, **extra)
 
 
 def chat_role_chunk(env: Envelope, index: int, include_usage: bool) -> dict[str, Any]:

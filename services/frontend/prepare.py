@@ -33,7 +33,7 @@ from services.frontend.tools import ToolPlan, check_tools, forced_output, tool_p
 _SAMPLING_FIELDS = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                     "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                    "disable_speculation")
+                    "disable_speculation", "prompt_logprobs")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Guards: what one request may ask for, so that no request can cost without bound.
@@ -71,6 +71,10 @@ class Plan:
     @property
     def n(self) -> int:
         return self.prompts[0].params.n
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        return self.prompts[0].params.prompt_logprobs is not None
 
 
 class Preparer:
@@ -263,6 +267,8 @@ class Preparer:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise bad_request("only allowed when stream is true", "stream_options")
+        if req.stream and req.prompt_logprobs:  # as vLLM: 0 is accepted and streams nothing
+            raise bad_request("not available when stream is true", "prompt_logprobs")
         if req.cache_salt is not None and not req.cache_salt:
             raise bad_request("must be a non-empty string", "cache_salt")
         self._check_tag(req.cache_salt, "cache_salt")
@@ -278,6 +284,8 @@ class Preparer:
                 forced: GuidedDecoding | None = None) -> SamplingParams:
         """forced: the grammar tool_choice required / named imposes."""
         kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+        if req.stream:
+            kw.pop("prompt_logprobs", None)
         guided = guided_decoding(req)
         if forced is not None and guided is not None:
             raise bad_request("required or a named function cannot be combined with response_format "

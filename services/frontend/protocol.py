@@ -48,6 +48,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     disable_speculation: bool | None = None  # opt this request out of speculative decoding
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (not with stream)
     # Structured output (services/frontend/guided.py checks them)
     response_format: Any = None
     guided_json: Any = None

@@ -267,9 +267,9 @@ async def _generate(fe: Frontend, request: Request, endpoint: str) -> Response:
         run.close(status)
     if chat:
         return JSONResponse(fmt.chat_response(env, results.choices, results.usage(), plan.logprobs,
-                                              plan.tools), headers=headers)
+                                              plan.tools, plan.prompt_logprobs), headers=headers)
     return JSONResponse(fmt.completion_response(env, results.choices, results.usage(), plan.logprobs,
-                                                plan.echo), headers=headers)
+                                                plan.echo, plan.prompt_logprobs), headers=headers)
 
 
 async def _stream(request: Request, run: RequestRun, env: fmt.Envelope, chat: bool,

@@ -27,6 +27,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | None = None
     cached_tokens: int = 0
+    # Prompt logprobs: entry i is prompt token i + 1's; shared by the prompt's choices.
+    prompt_logprobs: list[pb.TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class Results:
         c.token_ids += msg.token_ids
         c.logprobs += msg.logprobs
         c.cached_tokens = max(c.cached_tokens, msg.cached_tokens)
+        if msg.prompt_logprobs:
+            for other in self.choices:
+                if other.prompt_index == c.prompt_index:
+                    other.prompt_logprobs = list(msg.prompt_logprobs)
         if msg.finish_reason:
             c.finish_reason = msg.finish_reason
             c.stop_reason = msg.stop_reason or None

@@ -14,7 +14,7 @@ import grpc
 from engine.kv_handoff import KVHandoff
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
-from services.convert import logprobs_to_proto, lora_from_proto, sampling_from_proto
+from services.convert import logprobs_to_proto, lora_from_proto, prompt_logprobs_to_proto, sampling_from_proto
 from services.kv_layout import layout_mismatch
 from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
@@ -140,9 +140,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
             token = out.new_token_ids[0]
             first_token = (logprobs_to_proto(token, out.new_logprobs[0]) if out.new_logprobs
                            else pb.TokenLogprobs(token_id=token))
+            prompt_logprobs = prompt_logprobs_to_proto(ids, out.prompt_logprobs or [])
             return pb.PrefillResponse(first_token=first_token, cached_tokens=out.num_cached_tokens,
                                       bytes_sent=nbytes, blocks_sent=len(src),
-                                      transfer_seconds=time.monotonic() - t1, prefill_seconds=prefill_s)
+                                      transfer_seconds=time.monotonic() - t1, prefill_seconds=prefill_s,
+                                      prompt_logprobs=prompt_logprobs)
         finally:
             if trace is not None:
                 trace.end(None if answered else "prefill failed or was cancelled")

@@ -121,6 +121,34 @@ class FrontendProc:
         terminate(self.popen, 30)
 
 
+class UpProc:
+    """`splitserve up ARGS` on free REST and gRPC ports, started and waited for
+    ("splitserve is up"); `stop()` sends SIGTERM and wants exit status 0."""
+
+    def __init__(self, tmp: Path, *args: str, timeout: float = 300) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
+        self.url, self.grpc_address = f"http://127.0.0.1:{self.port}", address(self.grpc_port)
+        self.log = tmp / "up.log"
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", "--port", str(self.port),
+                 "--grpc-port", str(self.grpc_port), *args],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while b"splitserve is up" not in self.log.read_bytes():
+            assert self.popen.poll() is None, self.tail()
+            assert time.monotonic() < deadline, self.tail()
+            time.sleep(0.5)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        self.popen.send_signal(signal.SIGTERM)
+        assert self.popen.wait(timeout=60) == 0, self.tail()
+
+
 class Listener:
     """A TCP socket standing in for an attacker's address: nobody should ever connect."""
 

@@ -35,11 +35,11 @@ class LogitRecorder:
         inner = runner.forward_logits
 
         def recording(seqs):  # type: ignore[no-untyped-def]
-            out = inner(seqs)
+            out, prompt = inner(seqs)
             sampling = [s for s in seqs if s.sample]
             for s, row in zip(sampling, out, strict=True):
                 self.logits.setdefault(s.request.request_id, []).append(row.clone())
-            return out
+            return out, prompt
 
         runner.forward_logits = recording  # type: ignore[method-assign]
 

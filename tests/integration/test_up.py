@@ -7,9 +7,6 @@ and SIGTERM stops every process."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 
-from .procs import ROOT, free_port
+from .procs import UpProc
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 32
@@ -38,25 +35,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--prefill", "2", "--decode", "2",
-            "--port", str(port), "--grpc-port", str(grpc_port), "--dtype", "float32",
-            "--num-blocks", "128", "--max-model-len", "1024", "--num-threads", "1",
-            "--local-prefill-threshold", str(THRESHOLD)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    deadline = time.monotonic() + 300
-    while b"splitserve is up" not in log.read_bytes():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    url = f"http://127.0.0.1:{port}"
-    pids = [w["pid"] for w in httpx.get(f"{url}/cluster").json()["workers"]]
-    yield url, f"127.0.0.1:{grpc_port}"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    up = UpProc(tmp_path_factory.mktemp("up"), "--prefill", "2", "--decode", "2", "--dtype", "float32",
+                "--num-blocks", "128", "--max-model-len", "1024", "--num-threads", "1",
+                "--local-prefill-threshold", str(THRESHOLD))
+    pids = [w["pid"] for w in httpx.get(f"{up.url}/cluster").json()["workers"]]
+    yield up.url, up.grpc_address
+    up.stop()
     for pid in pids:  # every worker is gone too
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
