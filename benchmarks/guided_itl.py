@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
 
-    from engine.guided_params import GuidedDecoding
-
     from engine import LLM
+    from engine.vocab.guided_params import GuidedDecoding
 
     llm = LLM(dtype=args.dtype, num_threads=args.num_threads, num_blocks=512, max_num_seqs=BATCH)
     engine = llm.engine

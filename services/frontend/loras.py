@@ -20,7 +20,7 @@ from services.frontend.errors import APIError, bad_request
 class LoRAEntry:
     name: str
     path: str
-    digest: str  # also the adapter's key in block hashes (engine.hashing.extra_keys)
+    digest: str  # also the adapter's key in block hashes (engine.vocab.hashing.extra_keys)
 
     def to_proto(self) -> pb.LoRAAdapter:
         return pb.LoRAAdapter(name=self.name, path=self.path, digest=self.digest)

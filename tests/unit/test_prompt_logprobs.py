@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine.hashing import extra_keys
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import prompt_logprob_positions
@@ -15,6 +14,7 @@ from engine.outputs import Logprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
+from engine.vocab.hashing import extra_keys
 from protos import pb
 from services.convert import (
     logprobs_from_proto,
