@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from engine.vocab.lora_request import LoRAConfig
+from engine.vocab.lora_request import LoRAConfig, LoRARequest
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -153,7 +153,9 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
                   max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                   scheduling_policy: str = SchedulerConfig.policy,
                   speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
-                  lora: LoRAConfig | None = None) -> EngineConfig:
+                  enable_lora: bool = LoRAConfig.enable_lora, max_loras: int = LoRAConfig.max_loras,
+                  max_lora_rank: int = LoRAConfig.max_lora_rank,
+                  lora_modules: Sequence[LoRARequest] = ()) -> EngineConfig:
     """The one mapping from flat options (`LLM(...)` keywords, worker flags) to the
     nested config; the defaults are the dataclasses' own.  max_model_len None: the
     model's context (the engine caps it).  Raises ValueError naming the field."""
@@ -167,4 +169,6 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len or 1 << 30,
                                   policy=scheduling_policy),  # type: ignore[arg-type]
-        speculative=speculative, lora=lora or LoRAConfig())
+        speculative=speculative,
+        lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                        lora_modules=tuple(lora_modules)))

@@ -32,7 +32,8 @@ class LLM:
                  scheduling_policy: str = SchedulerConfig.policy, seed: int = ModelConfig.seed,
                  device: str = ModelConfig.device, num_threads: int | None = None,
                  attention_backend: str = ModelConfig.attention_backend,
-                 speculative_config: dict[str, Any] | None = None, enable_lora: bool = False,
+                 speculative_config: dict[str, Any] | None = None,
+                 enable_lora: bool = LoRAConfig.enable_lora,
                  max_loras: int = LoRAConfig.max_loras,
                  max_lora_rank: int = LoRAConfig.max_lora_rank) -> None:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
@@ -44,8 +45,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             num_blocks=num_blocks, scheduling_policy=scheduling_policy, seed=seed, device=device,
             num_threads=num_threads, attention_backend=attention_backend,
-            speculative_config=speculative_config,
-            lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank))
+            speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -4,6 +4,7 @@ Torch-free: the frontend and the launcher parse them without the engine."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from engine.vocab.lora_request import LoRAConfig, LoRARequest, parse_lora_module
 
@@ -28,11 +29,15 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
 
 
+def lora_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA flags as `engine_config(...)` / LoRAConfig keywords."""
+    return dict(enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                lora_modules=tuple(args.lora_modules))
+
+
 def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig:
     """Raises ValueError naming the field."""
-    return LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras,
-                      max_lora_rank=args.max_lora_rank,
-                      lora_modules=tuple(args.lora_modules))
+    return LoRAConfig(**lora_kwargs(args))
 
 
 def lora_argv(args: argparse.Namespace) -> list[str]:

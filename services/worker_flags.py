@@ -21,7 +21,7 @@ from engine.config import (
 )
 from services.cluster_auth import add_cluster_token_arg
 from services.help_format import add_host_arg
-from services.lora_flags import add_lora_args, lora_config_from_args
+from services.lora_flags import add_lora_args, lora_kwargs
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import add_tracing_args
 
@@ -71,7 +71,7 @@ def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
     """A worker's flags -> its engine's config.  Raises ValueError naming the field."""
     return engine_config(**engine_kwargs(args), num_blocks=args.num_blocks,
                          speculative_config=speculative_config_from_args(args),
-                         lora=lora_config_from_args(args))
+                         **lora_kwargs(args))
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:

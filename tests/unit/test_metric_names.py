@@ -36,9 +36,9 @@ def test_a_worker_registers_only_declared_names() -> None:
 
     report = pb.LoadReport(counters={"prompt_tokens_computed": 3.0, "kv_bytes_received": 10.0,
                                      "remote_prefills": 1.0, "local_prefills": 1.0, "prefills": 2.0})
-    state = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(model_id="m", spec=None)),
-                            worker_id="w", role="decode", load=lambda: report)
-    exported = families(WorkerMetrics(state).registry)  # type: ignore[arg-type]
+    state = SimpleNamespace(worker_id="w", role="decode", load=lambda: report,
+                            accepted_per_position=lambda: [])
+    exported = families(WorkerMetrics(state, "m").registry)  # type: ignore[arg-type]
     assert exported <= declared(), sorted(exported - declared())
     dashboard = {names.full(n) for n in (*names.HISTOGRAMS, *names.GAUGES, *names.COUNTERS)}
     assert dashboard - {names.full(n) for n in (names.ROUTER_DECISIONS, names.INDEX_FALLBACKS,
