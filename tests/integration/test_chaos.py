@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from .test_up_supervise import Stream, Up, quietly, wait_until
+from .procs import Stream
+from .test_up_supervise import Up, quietly, wait_until
 
 SHORT = [f"Question {i}: what is a good name for a cat?" for i in range(3)]
 LONG = [f"Story {i}: the lighthouse keeper wrote every night about the wind, the tides, the ships "

@@ -17,15 +17,13 @@ import threading
 import time
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
-from protos import pb, pb_grpc
+from protos import pb
 
-from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
+from .procs import ROOT, Proc, Stream, address, free_port, peer_flag, start_all, start_worker
 
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
            f"happens next." for i in range(8)]
@@ -110,35 +108,8 @@ def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
-class Stream(threading.Thread):
-    """One streamed completion; collects token ids as they arrive."""
-
-    def __init__(self, grpc_address: str, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.address, self.prompt, self.max_tokens = grpc_address, prompt, max_tokens
-        self.tokens: list[int] = []
-        self.arrivals: list[float] = []  # monotonic time of each message
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
-            temperature=0, max_tokens=self.max_tokens, ignore_eos=True))
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=120):
-                    self.tokens.extend(r.token_ids)
-                    self.arrivals.append(time.monotonic())
-                    self.finish_reason = r.finish_reason or self.finish_reason
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-
 def run_streams(grpc_address: str) -> list[Stream]:
-    streams = [Stream(grpc_address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    return streams
+    return start_all(Stream(grpc_address, p, MAX_TOKENS) for p in PROMPTS)
 
 
 def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-untyped-def]
@@ -187,7 +158,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
 
     def client(i: int) -> None:
         while not stop.is_set():
-            s = Stream(grpc_address, PROMPTS[i] if i else LONG_PROMPT)  # client 0's go through p0
+            s = Stream(grpc_address, PROMPTS[i] if i else LONG_PROMPT, MAX_TOKENS)  # client 0's go through p0
             s.run()
             done.append(s)
 
@@ -235,7 +206,7 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
 
     def client(i: int) -> None:
         while not stop.is_set():
-            s = Stream(grpc_address, PROMPTS[i % len(PROMPTS)] + f" (variation {len(done)})")
+            s = Stream(grpc_address, PROMPTS[i % len(PROMPTS)] + f" (variation {len(done)})", MAX_TOKENS)
             s.run()
             done.append(s)
             time.sleep(0.05)
@@ -261,6 +232,44 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     assert all(g < 0.10 for g in growth.values()), growth
 
 
+def carrier(url: str, stream: Stream) -> str:
+    """The decode worker `stream` runs on (the only one running a request, by
+    its own and the frontend's count), once its tokens flow."""
+    carrying: list[str] = []
+
+    def running() -> bool:
+        carrying[:] = [n for n, w in cluster(url).items()
+                       if w["role"] == "decode" and w["inflight"] and w["running"]]
+        return bool(stream.tokens) and len(carrying) == 1
+
+    wait_until(running, 60, "the stream never ran")
+    return carrying[0]
+
+
+def test_seeded_sampled_stream_killed_mid_stream_continues_exactly(stack) -> None:  # type: ignore[no-untyped-def]
+    """Seeded sampling with penalties, its decode worker SIGKILLed mid-stream:
+    the resumed stream (the new worker's RNG moved on one draw per relayed
+    token, penalties counting them as output) is the undisturbed one."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    max_tokens = 120
+    sampling = pb.SamplingParams(temperature=0.9, seed=4242, max_tokens=max_tokens, ignore_eos=True,
+                                 repetition_penalty=1.2, frequency_penalty=0.4)
+    reference = Stream(grpc_address, PROMPTS[4], sampling=sampling).complete()
+    assert Stream(grpc_address, PROMPTS[4], sampling=sampling).complete() == reference  # seeded: repeatable
+    migrated = frontend_counter(url, "splitserve_requests_migrated_total")
+
+    stream = Stream(grpc_address, PROMPTS[4], sampling=sampling)
+    stream.start()
+    victim = carrier(url, stream)
+    workers[victim].kill(signal.SIGKILL)
+    cut_at = len(stream.tokens)
+    assert 0 < cut_at < max_tokens  # the kill landed mid-stream
+    assert stream.result() == reference
+    assert frontend_counter(url, "splitserve_requests_migrated_total") == migrated + 1
+    print(f"seeded stream cut after {cut_at} of {max_tokens} tokens on {victim}; resumed exactly")
+
+
 def test_silent_decode_worker_mid_stream_is_left_and_frees_its_blocks(stack) -> None:  # type: ignore[no-untyped-def]
     """SIGSTOP (alive, silent: no tokens, no load reports) on the decode worker
     a stream runs on: the frontend's watchdog gives up on it and resumes the
@@ -276,15 +285,7 @@ def test_silent_decode_worker_mid_stream_is_left_and_frees_its_blocks(stack) -> 
 
     stream = Stream(grpc_address, PROMPTS[5], max_tokens)
     stream.start()
-    carrying: list[str] = []  # the decode worker the stream runs on, by its own and the frontend's count
-
-    def running() -> bool:
-        carrying[:] = [n for n, w in cluster(url).items()
-                       if w["role"] == "decode" and w["inflight"] and w["running"]]
-        return bool(stream.tokens) and len(carrying) == 1
-
-    wait_until(running, 60, "the stream never ran")
-    victim = carrying[0]
+    victim = carrier(url, stream)
     workers[victim].popen.send_signal(signal.SIGSTOP)
     try:
         cut_at = len(stream.tokens)
@@ -312,7 +313,7 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
     prompts = [f"Log {i}: " + LONG_PROMPT * 4 for i in range(4)]
     retried = frontend_counter(url, "splitserve_worker_retries_total")
     migrated = frontend_counter(url, "splitserve_requests_migrated_total")
-    streams = [Stream(grpc_address, p) for p in prompts]
+    streams = [Stream(grpc_address, p, MAX_TOKENS) for p in prompts]
     for s in streams:
         s.start()
     # All four routed, none has its first token: each decode worker waits on p0.
@@ -326,7 +327,8 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
     for s in streams:
         s.join(180)
     assert [s.error for s in streams] == [None] * 4
-    references = [Stream(grpc_address, p) for p in prompts]  # undisturbed, now (greedy: the same tokens)
+    # Undisturbed, now (greedy: the same tokens).
+    references = [Stream(grpc_address, p, MAX_TOKENS) for p in prompts]
     for s in references:
         s.run()
     assert [s.tokens for s in streams] == [s.tokens for s in references]
