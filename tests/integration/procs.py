@@ -123,6 +123,13 @@ def start_peers(tmp: Path, workers: Mapping[str, Sequence[str]],
     return procs
 
 
+def start_pair(tmp: Path, prefill_flags: Sequence[str] = (),
+               decode_flags: Sequence[str] = ()) -> tuple[Proc, Proc]:
+    """One prefill worker p0 and one decode worker d0 that know each other; ready."""
+    procs = start_peers(tmp, {"p0": prefill_flags, "d0": decode_flags})
+    return procs["p0"], procs["d0"]
+
+
 FAULT_PLUGIN = ROOT / "tests" / "faultplugin"
 
 
@@ -149,8 +156,11 @@ def wait_for_file(path: Path, timeout: float, proc: Proc | None = None) -> str:
 class FrontendProc:
     """`python -m services.frontend` on free ports; `healthy()` once /health says 200."""
 
-    def __init__(self, tmp: Path, name: str, *args: str, env: Mapping[str, str] | None = None) -> None:
-        self.port, self.grpc_port = free_port(), free_port()
+    def __init__(self, tmp: Path, name: str, *args: str, env: Mapping[str, str] | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
+        """ports: (HTTP, gRPC), e.g. a predecessor's; free ones by default."""
+        self.port, self.grpc_port = ports or (free_port(), free_port())
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as log:

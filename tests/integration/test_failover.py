@@ -22,7 +22,7 @@ import pytest
 
 from protos import pb
 
-from .procs import ROOT, Proc, Stream, address, free_port, peer_flag, start_all, start_worker
+from .procs import ROOT, FrontendProc, Proc, Stream, address, free_port, peer_flag, start_all, start_worker
 
 MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
@@ -342,3 +342,53 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
                and p0["kv_transfers_pending"] == 0 and p0["running"] == 0, 60,
                "p0 kept blocks for the dead decode worker")
     print(f"decode {victim} killed with {in_prefill} requests waiting on p0")
+
+
+def test_a_frontend_killed_and_restarted_while_another_serves(stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two frontends on one cluster: the second is SIGKILLed with a stream in
+    flight and started again on its ports; clients of the first are served
+    throughout (none fails), and no worker keeps the orphaned stream."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    wait_until(lambda: health(url).get("healthy_prefill_workers") == 1, 30, "p0 is not up")
+    decodes = f"{workers['d0'].address},{workers['d1'].address}"
+    flags = ("--decode", decodes, "--prefill", workers["p0"].address, "--log-level", "warning")
+    second = FrontendProc(tmp_path, "second", *flags)
+    stop = threading.Event()
+    done: list[Stream] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            s = Stream(grpc_address, f"{PROMPTS[i]} (again {len(done)})", 8)
+            s.run()
+            done.append(s)
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(2)]
+    try:
+        wait_until(lambda: health(second.url).get("healthy_decode_workers") == 2, 120, second.tail())
+        for c in clients:
+            c.start()
+        orphan = Stream(second.grpc_address, PROMPTS[6], 400)
+        orphan.start()
+        wait_until(lambda: bool(orphan.tokens), 60, "the second frontend's stream never started")
+        second.popen.kill()
+        second.popen.wait(30)
+        assert len(orphan.tokens) < 400  # killed mid-stream
+        mark = len(done)
+        wait_until(lambda: len(done) >= mark + 4, 120, "the first frontend stopped serving")
+        second = FrontendProc(tmp_path, "second-again", *flags, ports=(second.port, second.grpc_port))
+        wait_until(lambda: health(second.url).get("healthy_decode_workers") == 2, 120, second.tail())
+        assert len(Stream(second.grpc_address, PROMPTS[7], 8).complete()) == 8
+        mark = len(done)
+        wait_until(lambda: len(done) >= mark + 2, 120, "no load after the restart")
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(200)
+        second.stop()
+    orphan.join(30)
+    assert orphan.error is not None  # its frontend died under it
+    assert done and all(s.error is None and len(s.tokens) == 8 for s in done), \
+        [(s.error, len(s.tokens)) for s in done if s.error or len(s.tokens) != 8]
+    wait_until(lambda: all(w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+                           for w in cluster(url).values()), 60, "a worker kept the orphaned stream")
