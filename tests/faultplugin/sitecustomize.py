@@ -20,7 +20,8 @@ Keys of SPLITSERVE_TEST_FAULTS:
                       process has received in full
 
 Signals: `dir/stalled-K` (K = 1, 2, ...) appears when the K-th stall begins
-and holds the number of blocks sent; the test creates `dir/release-K` to end it.
+and holds the number of blocks sent; the test creates `dir/release-K` to end
+it, and `dir/resumed-K` appears as the released sender goes on sending.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _install(config: dict) -> None:  # type: ignore[type-arg]
                     return
                 else:
                     await asyncio.sleep(POLL_S)
+            # Released: the sender goes straight on to post its next blocks.
+            _write(signals / f"resumed-{stalls[0]}", "")
 
         transport.KVTransport.__init__ = patched_init  # type: ignore[method-assign]
         sender._stall = stall

@@ -53,6 +53,10 @@ class Stalls:
     def release(self) -> None:
         (self.dir / f"release-{self.count}").touch()
 
+    def resumed(self, timeout: float = 60) -> None:
+        """Wait until the released sender went on."""
+        wait_for_file(self.dir / f"resumed-{self.count}", timeout, self.proc)
+
     def received(self) -> int:
         path = self.dir / "received"
         return int(path.read_text()) if path.exists() else 0
@@ -136,9 +140,10 @@ def test_cancel_mid_transfer_then_a_late_write_lands_nowhere(cluster, offline) -
     reader.start()
     try:
         wait_until(lambda: bool(tokens), 120, "the later request never started")
-        hang.release()  # the sender wakes and goes on sending into d0's blocks
-        settled(procs["phang"].address, pb_grpc.PrefillStub)  # ...and gives up: its send is over
-        assert len(tokens) < later_params.max_tokens  # while the later request was still running
+        hang.release()
+        hang.resumed()  # the sender goes on sending into d0's blocks...
+        assert len(tokens) < later_params.max_tokens  # ...while the later request holds them
+        settled(procs["phang"].address, pb_grpc.PrefillStub)  # and gives up: its send is over
         reader.join(180)
     finally:
         ch.close()
