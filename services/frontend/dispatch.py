@@ -147,6 +147,9 @@ class Dispatcher:
                     log.warning("request %s: decode worker %s failed before its first token (%s); "
                                 "retrying on another", job.request_id, decode.worker_id, e.error.message)
                     self.metrics.worker_retries.labels(e.error.code or "error").inc()
+                    # A new worker request id: the failed attempt may still be winding down
+                    # on its prefill worker, which would refuse the same id.
+                    current = dataclasses.replace(current, request_id=f"{job.request_id}-r{attempts}")
                     continue
                 if migrations >= self.max_migrations:
                     raise e.error from None
