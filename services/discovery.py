@@ -231,7 +231,9 @@ class Discovery:
         self.layout = layout
         self.refused: dict[bytes, str] = {}  # value -> why (logged once each)
         self.absence_grace_s = 3 * REGISTRATION_INTERVAL_S  # a registration's TTL
-        self._last_seen: dict[str, dict[str, float]] = {role: {} for role in ROLES}  # address -> when
+        self._known: dict[str, set[str]] = {role: set() for role in ROLES}
+        # address -> the first successful read that lacked it (time Redis was down does not count)
+        self._missing_since: dict[str, dict[str, float]] = {role: {} for role in ROLES}
         self._task: asyncio.Task[None] | None = None
         self._up: bool | None = None
 
@@ -251,11 +253,16 @@ class Discovery:
         self._up = True
         now = time.monotonic()
         for role in ROLES:
-            seen = self._last_seen[role]
-            seen.update(dict.fromkeys(found[role], now))
-            for address in [a for a, t in seen.items() if now - t > self.absence_grace_s]:
-                del seen[address]
-            self.pool.sync(role, set(seen))
+            missing = self._missing_since[role]
+            for address in found[role]:
+                missing.pop(address, None)
+            for address in self._known[role] - found[role]:
+                missing.setdefault(address, now)
+            gone = {a for a, t in missing.items() if now - t > self.absence_grace_s}
+            for address in gone:
+                del missing[address]
+            self._known[role] = (self._known[role] | found[role]) - gone
+            self.pool.sync(role, set(self._known[role]))
         return True
 
     def start(self) -> None:

@@ -52,12 +52,17 @@ def test_a_vanished_registration_is_kept_for_one_ttl(monkeypatch: pytest.MonkeyP
     discovery keeps a worker for a registration's TTL before it retires it."""
     import asyncio
 
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
     from services import discovery
 
     registered = {"decode": {"10.0.0.1:5000"}, "prefill": {"10.0.0.2:5000"}}
     clock = [100.0]
+    down = [False]
 
     async def read(*args: object, **kwargs: object) -> dict[str, set[str]]:
+        if down[0]:
+            raise RedisConnectionError("refused")
         return {role: set(a) for role, a in registered.items()}
 
     monkeypatch.setattr(discovery, "read_registrations", read)
@@ -66,7 +71,13 @@ def test_a_vanished_registration_is_kept_for_one_ttl(monkeypatch: pytest.MonkeyP
     disc = discovery.Discovery("redis://127.0.0.1:1/0", MODEL, pool)
     assert asyncio.run(disc.refresh())
     assert pool.synced == registered
-    registered["decode"] = set()  # an empty Redis, or the worker deregistered
+    down[0] = True  # Redis dies for longer than the grace: that time does not count
+    clock[0] += 10 * disc.absence_grace_s
+    assert not asyncio.run(disc.refresh())
+    down[0] = False
+    registered["decode"] = set()  # back empty (or the worker deregistered meanwhile)
+    asyncio.run(disc.refresh())
+    assert pool.synced["decode"] == {"10.0.0.1:5000"}
     clock[0] += disc.absence_grace_s
     asyncio.run(disc.refresh())
     assert pool.synced["decode"] == {"10.0.0.1:5000"}  # not yet: it may just not have refreshed
