@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -38,8 +39,12 @@ class CacheConfig:
     kv_cache_memory: float = 0.25
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, tiny budgets)
+    kv_cache_dtype: str = "auto"  # see engine/layers/kv_quant.py
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size: must be a power of two <= 128, got {self.block_size}")
         if not self.kv_cache_memory > 0:

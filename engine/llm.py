@@ -28,15 +28,17 @@ class LLM:
                  kv_cache_memory: float = 0.25, num_blocks: int | None = None,
                  scheduling_policy: str = "fcfs", seed: int = 0, device: str = "auto",
                  num_threads: int | None = None, attention_backend: str = "auto",
-                 speculative_config: dict[str, Any] | None = None) -> None:
+                 speculative_config: dict[str, Any] | None = None, kv_cache_dtype: str = "auto") -> None:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-        {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}."""
+        {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}.
+        kv_cache_dtype: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (engine/layers/kv_quant.py)."""
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
                               num_threads=num_threads, attention_backend=attention_backend),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
+                              enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len or 1 << 30,

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=float, default=0.25,
                    help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto (the model's dtype) or fp8, half a bfloat16 cache "
+                        "(twice the blocks, half the bytes sent to decode); prefill and decode must agree")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
@@ -42,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=not args.no_prefix_caching,

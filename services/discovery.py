@@ -70,6 +70,12 @@ def registration_value(model_id: str, role: str, worker_id: str, address: str,
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
+# The KV layout fields two workers must agree on (invariant 7), as the
+# registrations, the KVLayout message and the prefill's check name them.
+LAYOUT_FIELDS = ("model_id", "dtype", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads",
+                 "head_dim")
+
+
 def model_layout(model_dir: Path, model_id: str) -> dict[str, Any]:
     """The layout fields a model fixes (a frontend checks registrations against them; dtype
     and block size are the workers' flags, checked against the workers already serving)."""

@@ -27,8 +27,9 @@ from services.speculative_flags import add_speculative_args, speculative_argv, s
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
 from services.tracing import add_tracing_args
 
-ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "max_model_len",
-                "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed", "num_blocks")
+ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "kv_cache_dtype",
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed",
+                "num_blocks")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

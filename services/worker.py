@@ -22,6 +22,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from protos import pb
 from services.cluster_auth import add_cluster_token_arg, cluster_token, server_interceptors, warn_if_open
+from services.discovery import LAYOUT_FIELDS
 from services.engine_loop import EngineDead, EngineLoop
 from services.peers import KnownPeers
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
@@ -98,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
                           num_threads=args.num_threads),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching, num_blocks=args.num_blocks),
+                          enable_prefix_caching=not args.no_prefix_caching, num_blocks=args.num_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len or 1 << 30,
@@ -130,13 +132,13 @@ def numeric_fields(stats: object) -> dict[str, float]:
 def layout_dict(engine: LLMEngine) -> dict[str, Any]:
     """The layout a registration carries and a peer's must equal (invariant 7)."""
     p = layout_proto(engine)
-    return {f: getattr(p, f) for f in ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads",
-                                        "head_dim")}
+    return {f: getattr(p, f) for f in LAYOUT_FIELDS}
 
 
 def layout_proto(engine: LLMEngine) -> pb.KVLayout:
     s = engine.runner.spec
     return pb.KVLayout(model_id=engine.model_id, dtype=str(engine.runner.dtype).removeprefix("torch."),
+                       kv_cache_dtype=str(engine.runner.kv_dtype).removeprefix("torch."),
                        block_size=engine.kv.block_size, num_layers=s.num_layers,
                        num_kv_heads=s.num_kv_heads, head_dim=s.head_dim)
 

@@ -67,7 +67,7 @@ class WorkerMetrics:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
         self.registry = CollectorRegistry()
-        labels = (state.engine.engine.model_id, state.worker_id, state.role)
+        labels = (state.engine.engine.model_name, state.worker_id, state.role)
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -54,6 +54,50 @@ def model_name(model: str | os.PathLike[str] | None) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
+def model_id(model: str | os.PathLike[str] | None) -> str:
+    """The model's identity between workers: its name and a digest of its
+    weights' bytes, so new weights deployed under the same file name are a
+    different model: they fail the layout handshake with the old ones, register
+    apart, and share no block hash (hashing.cache_model_key) with them."""
+    path = default_gguf() if model is None else Path(model).expanduser()
+    return f"{model_name(model)}-{weights_digest(path)}"
+
+
+def weights_digest(path: Path) -> str:
+    """12 hex digits of BLAKE2b over a GGUF file, or over a model directory's
+    config.json and *.safetensors (names and bytes, in name order).  Hashing
+    reads every byte (about 0.2 s per 100 MB), so the digest is kept under the
+    cache dir, keyed by each file's path, size and mtime: a later start (and
+    the frontend) only stats the files."""
+    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise FileNotFoundError(f"model: no weights at {path}")
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    memo = cache_dir() / "digests" / key.hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, lambda: hashlib.blake2b(digest_size=16)).digest())
+    digest = h.hexdigest()[:12]
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)  # atomic: workers starting together never read half a file
+    except OSError as e:  # best effort: a start that cannot write the cache hashes again next time
+        log.warning("could not keep the weights digest at %s: %s", memo, e)
+    return digest
+
+
 def _convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -13,8 +13,10 @@ from typing import Any, Literal
 import grpc
 
 from engine.block_pool import CacheEvent
+from engine.hashing import cache_model_key
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
+from services.discovery import LAYOUT_FIELDS
 from services.frontend.router import WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex
 from services.index.embedded import EmbeddedPrefixIndex
@@ -218,15 +220,15 @@ class WorkerPool:
         for w in self.all:
             if w.info is not None and w.info.layout.block_size > 0:
                 lay = w.info.layout
-                return {f: getattr(lay, f) for f in ("model_id", "dtype", "block_size", "num_layers",
-                                                      "num_kv_heads", "head_dim")}
+                return {f: getattr(lay, f) for f in LAYOUT_FIELDS}
         return None
 
     def layout(self) -> tuple[int, str] | None:
-        """(block size, model id) as the workers reported them, for block hashes."""
+        """(block size, the model's key in block hashes) as the workers reported them."""
         for w in self.all:
             if w.info is not None and w.info.layout.block_size > 0:
-                return w.info.layout.block_size, w.info.layout.model_id
+                lay = w.info.layout
+                return lay.block_size, cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype)
         return None
 
     @property

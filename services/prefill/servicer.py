@@ -13,14 +13,13 @@ import grpc
 
 from protos import pb, pb_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
+from services.discovery import LAYOUT_FIELDS
 from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
 from services.worker import WorkerRPCs, WorkerState, abort_with, layout_proto
 from services.worker_tracing import PrefillTrace
 
 log = logging.getLogger(__name__)
-
-_LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
 
 @dataclass
@@ -34,7 +33,7 @@ class PrefillStats:
 
 def layout_mismatch(mine: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
     diffs = [f"{f}: prefill has {getattr(mine, f)!r}, decode has {getattr(theirs, f)!r}"
-             for f in _LAYOUT_FIELDS if getattr(mine, f) != getattr(theirs, f)]
+             for f in LAYOUT_FIELDS if getattr(mine, f) != getattr(theirs, f)]
     return "; ".join(diffs) or None
 
 
