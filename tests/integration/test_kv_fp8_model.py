@@ -26,10 +26,12 @@ CORPUS = [
 ]
 STEPS = 48  # decode positions scored per prompt
 BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
-# Measured on this corpus against a bfloat16 cache (SmolLM2-135M Q4_1): e4m3
-# 97.1%, e5m2 see the report.  Issue 19 asks >= 99% for e4m3; fp8 rounding (3
-# mantissa bits) flips that many near-ties of this small model, and no
-# per-tensor scale helps (scales move fp8's range, not its precision).
+# Measured on this corpus against a bfloat16 cache (SmolLM2-135M Q4_1, bfloat16
+# model): e4m3 97.1% (max |logprob diff| 0.85), e5m2 93.2% (0.80).  Issue 19
+# asks >= 99% for e4m3; it does not hold for this small model: fp8's 3
+# mantissa bits flip as many greedy choices as bfloat16 does against float32
+# (97.4%, max diff 1.46, same corpus), and no per-tensor scale helps (a scale
+# moves fp8's range, not its precision: K stored x16, V x32 measured 96.4%).
 MIN_AGREEMENT = {"fp8_e4m3": 0.96, "fp8_e5m2": 0.90}
 
 
@@ -71,15 +73,21 @@ def corpus(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def reference(model_dir):  # type: ignore[no-untyped-def]
-    """The model's own dtype (float32 on CPUs without native bf16) for the cache."""
+    """A cache in the model's own dtype (auto: bfloat16 where the CPU has it, else float32)."""
     return _runner(model_dir, "auto", "auto")
 
 
+@pytest.fixture(scope="module")
+def greedy(reference, corpus):  # type: ignore[no-untyped-def]
+    """The reference's greedy tokens and its log-probs at each of them."""
+    return teacher_forced(reference, corpus, None)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_greedy_agreement(model_dir, corpus, reference, kv: str) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> None:  # type: ignore[no-untyped-def]
     fp8 = _runner(model_dir, "auto", kv)
     assert fp8.kv_cache.dtype.itemsize == 1
-    tokens, ref_lp = teacher_forced(reference, corpus, None)
+    tokens, ref_lp = greedy
     _, fp8_lp = teacher_forced(fp8, corpus, tokens)
     chosen = torch.tensor(tokens)[..., None]  # [B, STEPS, 1]: the reference's greedy tokens
     agree = (fp8_lp.argmax(-1) == chosen[..., 0]).float().mean().item()
