@@ -78,6 +78,7 @@ def test_fp8_decode_refuses_a_float32_prefill(cluster) -> None:  # type: ignore[
     assert after_d.counters["kv_transfer_failures"] == before_d.counters["kv_transfer_failures"] + 1
     computed = after_d.counters["prompt_tokens_computed"] - before_d.counters["prompt_tokens_computed"]
     assert computed == len(ids)
-    assert ("KV layout mismatch: kv_cache_dtype: prefill has 'float32', decode has 'float8_e4m3fn'"
+    # local: the prefill's layout, remote: the decode's
+    assert ("KV layout mismatch (kv_cache_dtype: local 'float32' vs remote 'float8_e4m3fn')"
             in d8.tail()), d8.tail()
     assert after_d.free_blocks == after_d.total_blocks
