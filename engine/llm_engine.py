@@ -93,9 +93,10 @@ class LLMEngine:
         Raises ValueError naming the field; the engine state is untouched then.
         hold_blocks: keep the KV blocks after finishing until release()
         (a prefill worker sends them first).  num_resumed_tokens: the prompt's
-        last tokens are output this request generated elsewhere (it migrated);
-        its grammar resumes after them.  lora: the adapter to run with
-        (lora_digest: the one a caller expects; a mismatch is refused)."""
+        last tokens are output this request generated elsewhere (it migrated):
+        its grammar resumes after them, penalties count them as output and a
+        seeded RNG stands where it would after drawing them.  lora: the adapter to
+        run with (lora_digest: the one a caller expects; a mismatch is refused)."""
         req = self.make_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                                 arrival_time=arrival_time, hold_blocks=hold_blocks,
                                 num_resumed_tokens=num_resumed_tokens, lora=lora, lora_digest=lora_digest)
@@ -127,11 +128,16 @@ class LLMEngine:
             grammar = self.grammars.matcher(params.guided, ids[len(ids) - num_resumed_tokens:])
         adapter = self.lora_adapter(lora, lora_digest)
         rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
+        if params.seed is not None and not params.greedy:
+            # Where the undisturbed run's RNG stood after the resumed tokens: one
+            # draw per token (exact unless speculation drew extra for rejections).
+            for _ in range(num_resumed_tokens):
+                rng.random()
         return Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                        priority=priority, arrival_time=arrival_time, rng=rng, hold_blocks=hold_blocks,
                        extra_keys=extra_keys(self.cache_model_key, cache_salt,
                                              adapter.digest if adapter else None),
-                       grammar=grammar, lora=adapter)
+                       grammar=grammar, lora=adapter, num_resumed_tokens=num_resumed_tokens)
 
     # -- LoRA -------------------------------------------------------------------
 

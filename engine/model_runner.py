@@ -277,7 +277,8 @@ class ModelRunner:
         bitmasks = masks.result() if masks is not None else {}
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
                             s.request.rng, s.request.eos_token_ids,
-                            _first(bitmasks.get(s.request.request_id))) for s in sampling]
+                            _first(bitmasks.get(s.request.request_id)), s.request.num_resumed_tokens)
+                for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
             tokens = sample(logits, rows)
             return {s.request.request_id: [t] for s, t in zip(sampling, tokens, strict=True)}, prompt

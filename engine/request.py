@@ -49,7 +49,8 @@ class Request:
                  *, max_tokens: int, eos_token_ids: frozenset[int] = frozenset(),
                  priority: int = 0, arrival_time: float | None = None,
                  extra_keys: bytes = b"", rng: random.Random | None = None,
-                 hold_blocks: bool = False, grammar: Any = None, lora: Any = None) -> None:
+                 hold_blocks: bool = False, grammar: Any = None, lora: Any = None,
+                 num_resumed_tokens: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -61,6 +62,9 @@ class Request:
         # Prefill worker: keep the blocks after finishing, until they are sent.
         self.hold_blocks = hold_blocks
         self.rng = rng if rng is not None else random.Random(params.seed)
+        # A migrated request: the prompt's last tokens are output it generated
+        # elsewhere; the sampler's penalties count them as output, not prompt.
+        self.num_resumed_tokens = num_resumed_tokens
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING

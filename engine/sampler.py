@@ -39,6 +39,16 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()
     # Structured output: [ceil(V / 32)] int32, bit t % 32 of word t // 32 = token t allowed.
     token_bitmask: Tensor | None = None
+    # The last num_resumed prompt tokens were generated before a migration:
+    # penalties count them as output (min_tokens does not; the frontend lowered it).
+    num_resumed: int = 0
+
+    def penalty_ids(self) -> tuple[Sequence[int], Sequence[int]]:
+        """(prompt, output) as the penalties see them."""
+        if not self.num_resumed:
+            return self.prompt_token_ids, self.output_token_ids
+        cut = len(self.prompt_token_ids) - self.num_resumed
+        return self.prompt_token_ids[:cut], [*self.prompt_token_ids[cut:], *self.output_token_ids]
 
 
 @dataclass
@@ -184,10 +194,11 @@ def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor,
             return torch.tensor([getattr(r.params, name) for r in sub], dtype=torch.float32, device=device)
 
         idx = torch.tensor(pen_rows, device=device)
+        seen = [r.penalty_ids() for r in sub]
         logits[idx] = apply_penalties(
             logits[idx],
-            token_counts([r.prompt_token_ids for r in sub], vocab_size, device),
-            token_counts([r.output_token_ids for r in sub], vocab_size, device),
+            token_counts([prompt for prompt, _ in seen], vocab_size, device),
+            token_counts([output for _, output in seen], vocab_size, device),
             param("repetition_penalty"), param("presence_penalty"), param("frequency_penalty"),
         )
 

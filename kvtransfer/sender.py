@@ -97,6 +97,8 @@ class Sender:
         except asyncio.CancelledError:  # the caller gave up: stop UCX reading our blocks first
             attempt.stop(TransferFailed(f"send of transfer {transfer_id!r} was cancelled"))
             await _settle(task)
+            if not task.cancelled():
+                task.exception()  # whatever the stopped attempt raised: nobody waits for it now
             self._record(TransferRecord("send", transfer_id, "failed", 0, time.monotonic() - start))
             raise
         finally:

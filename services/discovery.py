@@ -18,7 +18,10 @@ A worker (`Registration`) sets its key every `interval` seconds with a TTL of
 three intervals, and deletes it when it stops; a key that expired means the
 worker is gone.  A frontend (`Discovery`) reads both roles every `interval` and
 adds and retires workers in its pool to match.  While Redis is unreachable the
-worker keeps trying and the frontend keeps the workers it has.
+worker keeps trying and the frontend keeps the workers it has.  A worker whose
+entry is gone is retired only once it has been missing for a registration's
+TTL: a Redis restarted empty, or one hung past the TTLs, holds no entries
+until every worker's next refresh, and that is no reason to drop them all.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splitserve.discovery")
 ROLES = ("decode", "prefill")
+REGISTRATION_INTERVAL_S = 1.0
 _TIMEOUT_S = 1.0
 
 
@@ -117,7 +122,7 @@ class Registration:
     """A worker's entry: refreshed until stop(), then deleted."""
 
     def __init__(self, url: str, model_id: str, role: str, worker_id: str, address: str,
-                 interval: float = 1.0, *, layout: dict[str, Any] | None = None,
+                 interval: float = REGISTRATION_INTERVAL_S, *, layout: dict[str, Any] | None = None,
                  token: str | None = None) -> None:
         self.redis = _client(url)
         self.members = registration_prefix(model_id) + role
@@ -225,6 +230,10 @@ class Discovery:
         self.token = token
         self.layout = layout
         self.refused: dict[bytes, str] = {}  # value -> why (logged once each)
+        self.absence_grace_s = 3 * REGISTRATION_INTERVAL_S  # a registration's TTL
+        self._known: dict[str, set[str]] = {role: set() for role in ROLES}
+        # address -> the first successful read that lacked it (time Redis was down does not count)
+        self._missing_since: dict[str, dict[str, float]] = {role: {} for role in ROLES}
         self._task: asyncio.Task[None] | None = None
         self._up: bool | None = None
 
@@ -242,8 +251,18 @@ class Discovery:
             self._up = False
             return False
         self._up = True
+        now = time.monotonic()
         for role in ROLES:
-            self.pool.sync(role, found[role])
+            missing = self._missing_since[role]
+            for address in found[role]:
+                missing.pop(address, None)
+            for address in self._known[role] - found[role]:
+                missing.setdefault(address, now)
+            gone = {a for a, t in missing.items() if now - t > self.absence_grace_s}
+            for address in gone:
+                del missing[address]
+            self._known[role] = (self._known[role] | found[role]) - gone
+            self.pool.sync(role, set(self._known[role]))
         return True
 
     def start(self) -> None:

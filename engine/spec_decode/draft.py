@@ -103,7 +103,8 @@ class DraftProposer:
 
     def _sample(self, seqs: list[_DraftSeq], logits: Tensor) -> None:
         rows = [SamplingRow(d.req.params, d.req.prompt_token_ids, d.req.output_token_ids + d.drafts,
-                            d.req.rng, d.req.eos_token_ids) for d in seqs]
+                            d.req.rng, d.req.eos_token_ids, num_resumed=d.req.num_resumed_tokens)
+                for d in seqs]
         if all(is_greedy(r.params) for r in rows):
             tokens = process_logits(logits, rows)[0].argmax(dim=-1).tolist()
             probs = None

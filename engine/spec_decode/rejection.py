@@ -62,7 +62,7 @@ def position_rows(item: VerifyItem) -> list[SamplingRow]:
     outputs = list(r.output_token_ids)
     masks = item.bitmasks
     return [SamplingRow(r.params, r.prompt_token_ids, outputs + drafts[:j], r.rng, r.eos_token_ids,
-                        None if masks is None else masks[j])
+                        None if masks is None else masks[j], r.num_resumed)
             for j in range(item.num_rows)]
 
 

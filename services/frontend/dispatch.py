@@ -75,10 +75,11 @@ def resume(job: Job, relayed: list[int], migration: int) -> Job | None:
     prompt (the prefix cache makes re-prefilling them cheap) and the token
     budget shrinks by as many.  None when nothing is left to generate.
 
-    Greedy output continues exactly as it would have.  Sampled output stays
-    a valid sample, though not the undisturbed run's: the new worker's RNG
-    starts from the seed again, and penalties count the relayed tokens as
-    prompt.  A grammar resumes after the relayed tokens (resumed_tokens)."""
+    The new worker treats the relayed tokens as output (resumed_tokens): a
+    grammar resumes after them, penalties count them as output, and a seeded
+    RNG moves on one draw per token, so greedy and seeded output continue
+    exactly as undisturbed (seeded with speculation: a valid sample, not the
+    same one, since rejected drafts drew extra)."""
     p = job.params
     n = len(relayed)
     if p.max_tokens is not None and p.max_tokens - n < 1:
@@ -146,6 +147,9 @@ class Dispatcher:
                     log.warning("request %s: decode worker %s failed before its first token (%s); "
                                 "retrying on another", job.request_id, decode.worker_id, e.error.message)
                     self.metrics.worker_retries.labels(e.error.code or "error").inc()
+                    # A new worker request id: the failed attempt may still be winding down
+                    # on its prefill worker, which would refuse the same id.
+                    current = dataclasses.replace(current, request_id=f"{job.request_id}-r{attempts}")
                     continue
                 if migrations >= self.max_migrations:
                     raise e.error from None

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import grpc
+
+from protos import pb, pb_grpc
+
 ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
 WORKER_FLAGS = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "1024"]
 
 
@@ -91,11 +98,69 @@ def address(port: int) -> str:
     return f"127.0.0.1:{port}"
 
 
+def start_peers(tmp: Path, workers: Mapping[str, Sequence[str]],
+                env: Mapping[str, Mapping[str, str]] | None = None,
+                ports: Mapping[str, int] | None = None) -> dict[str, Proc]:
+    """Start workers (name -> extra flags; names starting with "p" are prefill
+    workers, the rest decode workers) on ports chosen first, so each knows
+    every worker of the other role from its flags.  `env`: per name; `ports`:
+    fixed ones (a restart on the same address).  Waits until all are ready;
+    stops them all if one fails to start."""
+    ports = {name: (ports or {}).get(name) or free_port() for name in workers}
+    procs: dict[str, Proc] = {}
+    try:
+        for name, extra in workers.items():
+            role = "prefill" if name.startswith("p") else "decode"
+            peers = [address(ports[n]) for n in workers if n.startswith("p") != (role == "prefill")]
+            procs[name] = start_worker(role, name, tmp, "--grpc-port", str(ports[name]), *extra,
+                                       *peer_flag(role, peers), env=(env or {}).get(name))
+        for proc in procs.values():
+            proc.wait_ready()
+    except BaseException:
+        for proc in procs.values():
+            proc.stop()
+        raise
+    return procs
+
+
+def start_pair(tmp: Path, prefill_flags: Sequence[str] = (),
+               decode_flags: Sequence[str] = ()) -> tuple[Proc, Proc]:
+    """One prefill worker p0 and one decode worker d0 that know each other; ready."""
+    procs = start_peers(tmp, {"p0": prefill_flags, "d0": decode_flags})
+    return procs["p0"], procs["d0"]
+
+
+FAULT_PLUGIN = ROOT / "tests" / "faultplugin"
+
+
+def fault_env(signals: Path, **faults: object) -> dict[str, str]:
+    """The environment of a worker with tests/faultplugin's faults (its
+    docstring lists them); the plugin writes its signals under `signals`."""
+    path = os.pathsep.join(p for p in (str(FAULT_PLUGIN), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "SPLITSERVE_TEST_FAULTS": json.dumps({"dir": str(signals), **faults})}
+
+
+def wait_for_file(path: Path, timeout: float, proc: Proc | None = None) -> str:
+    """The contents of `path` once it exists (a fault hook's signal)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never appeared in {timeout} s"
+                                 + (f":\n{proc.tail()}" if proc is not None else ""))
+        time.sleep(0.02)
+    return path.read_text()
+
+
 class FrontendProc:
     """`python -m services.frontend` on free ports; `healthy()` once /health says 200."""
 
-    def __init__(self, tmp: Path, name: str, *args: str, env: Mapping[str, str] | None = None) -> None:
-        self.port, self.grpc_port = free_port(), free_port()
+    def __init__(self, tmp: Path, name: str, *args: str, env: Mapping[str, str] | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
+        """ports: (HTTP, gRPC), e.g. a predecessor's; free ones by default."""
+        self.port, self.grpc_port = ports or (free_port(), free_port())
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as log:
@@ -164,3 +229,58 @@ class Listener:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Stream(threading.Thread):
+    """One streamed completion through a frontend's gRPC Generate: `start()`
+    it in a thread, or `complete()` it here.  Collects token ids, text and
+    arrival times as they come; a failure is kept in `error`, not raised.
+    prompt: text or token ids; sampling: greedy, max_tokens, ignore_eos unless given."""
+
+    def __init__(self, grpc_address: str, prompt: str | Sequence[int], max_tokens: int = 40, *,
+                 sampling: pb.SamplingParams | None = None, timeout: float = 180) -> None:
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.max_tokens, self.timeout = grpc_address, prompt, max_tokens, timeout
+        self.sampling = sampling or pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.arrivals: list[float] = []  # monotonic time of each message
+        self.finish_reason = ""
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if isinstance(self.prompt, str):
+            req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=self.sampling)
+        else:
+            req = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=list(self.prompt)),
+                                     sampling=self.sampling)
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=self.timeout):
+                    self.tokens.extend(r.token_ids)
+                    self.text += r.text
+                    self.arrivals.append(time.monotonic())
+                    self.finish_reason = r.finish_reason or self.finish_reason
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def result(self) -> list[int]:
+        """The tokens of a started stream, once it has finished well."""
+        self.join(self.timeout)
+        return self._checked()
+
+    def complete(self) -> list[int]:
+        """Run here, not in a thread, to the end."""
+        self.run()
+        return self._checked()
+
+    def _checked(self) -> list[int]:
+        assert self.error is None and self.finish_reason == "length", (self.error, self.finish_reason)
+        return self.tokens
+
+
+def start_all(streams: Iterable[Stream]) -> list[Stream]:
+    started = list(streams)
+    for s in started:
+        s.start()
+    return started

@@ -17,15 +17,13 @@ import threading
 import time
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
-from protos import pb, pb_grpc
+from protos import pb
 
-from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
+from .procs import ROOT, FrontendProc, Proc, Stream, address, free_port, peer_flag, start_all, start_worker
 
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
            f"happens next." for i in range(8)]
@@ -110,35 +108,8 @@ def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
-class Stream(threading.Thread):
-    """One streamed completion; collects token ids as they arrive."""
-
-    def __init__(self, grpc_address: str, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.address, self.prompt, self.max_tokens = grpc_address, prompt, max_tokens
-        self.tokens: list[int] = []
-        self.arrivals: list[float] = []  # monotonic time of each message
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
-            temperature=0, max_tokens=self.max_tokens, ignore_eos=True))
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=120):
-                    self.tokens.extend(r.token_ids)
-                    self.arrivals.append(time.monotonic())
-                    self.finish_reason = r.finish_reason or self.finish_reason
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-
 def run_streams(grpc_address: str) -> list[Stream]:
-    streams = [Stream(grpc_address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    return streams
+    return start_all(Stream(grpc_address, p, MAX_TOKENS) for p in PROMPTS)
 
 
 def test_decode_worker_killed_mid_stream(stack) -> None:  # type: ignore[no-untyped-def]
@@ -187,7 +158,7 @@ def test_rolling_restart_under_load_loses_nothing(stack) -> None:  # type: ignor
 
     def client(i: int) -> None:
         while not stop.is_set():
-            s = Stream(grpc_address, PROMPTS[i] if i else LONG_PROMPT)  # client 0's go through p0
+            s = Stream(grpc_address, PROMPTS[i] if i else LONG_PROMPT, MAX_TOKENS)  # client 0's go through p0
             s.run()
             done.append(s)
 
@@ -235,7 +206,7 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
 
     def client(i: int) -> None:
         while not stop.is_set():
-            s = Stream(grpc_address, PROMPTS[i % len(PROMPTS)] + f" (variation {len(done)})")
+            s = Stream(grpc_address, PROMPTS[i % len(PROMPTS)] + f" (variation {len(done)})", MAX_TOKENS)
             s.run()
             done.append(s)
             time.sleep(0.05)
@@ -261,6 +232,54 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
     assert all(g < 0.10 for g in growth.values()), growth
 
 
+def carrier(url: str, stream: Stream) -> str:
+    """The decode worker `stream` runs on (the only one running a request, by
+    its own and the frontend's count), once its tokens flow."""
+    carrying: list[str] = []
+
+    def running() -> bool:
+        carrying[:] = [n for n, w in cluster(url).items()
+                       if w["role"] == "decode" and w["inflight"] and w["running"]]
+        return bool(stream.tokens) and len(carrying) == 1
+
+    wait_until(running, 60, "the stream never ran")
+    return carrying[0]
+
+
+NEAR_TIE = 7  # index of the seeded stream's token at a float near-tie (see below)
+
+
+def test_seeded_sampled_stream_killed_mid_stream_continues_exactly(stack) -> None:  # type: ignore[no-untyped-def]
+    """Seeded sampling with penalties, its decode worker SIGKILLed mid-stream:
+    the resumed stream (the new worker's RNG moved on one draw per relayed
+    token, penalties counting them as output) is the undisturbed one.
+
+    Exact up to float rounding: the new worker computes the relayed tokens' KV
+    in one prefill where the first computed it step by step, and a draw that
+    falls within that rounding of a CDF boundary picks the neighbour.  This
+    seed's token 8 is such a near-tie (a resume before it differs there,
+    offline too), so the kill lands after it."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    max_tokens = 120
+    sampling = pb.SamplingParams(temperature=0.9, seed=4242, max_tokens=max_tokens, ignore_eos=True,
+                                 repetition_penalty=1.2, frequency_penalty=0.4)
+    reference = Stream(grpc_address, PROMPTS[4], sampling=sampling).complete()
+    assert Stream(grpc_address, PROMPTS[4], sampling=sampling).complete() == reference  # seeded: repeatable
+    migrated = frontend_counter(url, "splitserve_requests_migrated_total")
+
+    stream = Stream(grpc_address, PROMPTS[4], sampling=sampling)
+    stream.start()
+    victim = carrier(url, stream)
+    wait_until(lambda: len(stream.tokens) >= NEAR_TIE + 1, 60, "the stream stopped")
+    workers[victim].kill(signal.SIGKILL)
+    cut_at = len(stream.tokens)
+    assert NEAR_TIE < cut_at < max_tokens  # the kill landed mid-stream
+    assert stream.result() == reference
+    assert frontend_counter(url, "splitserve_requests_migrated_total") == migrated + 1
+    print(f"seeded stream cut after {cut_at} of {max_tokens} tokens on {victim}; resumed exactly")
+
+
 def test_silent_decode_worker_mid_stream_is_left_and_frees_its_blocks(stack) -> None:  # type: ignore[no-untyped-def]
     """SIGSTOP (alive, silent: no tokens, no load reports) on the decode worker
     a stream runs on: the frontend's watchdog gives up on it and resumes the
@@ -276,15 +295,7 @@ def test_silent_decode_worker_mid_stream_is_left_and_frees_its_blocks(stack) -> 
 
     stream = Stream(grpc_address, PROMPTS[5], max_tokens)
     stream.start()
-    carrying: list[str] = []  # the decode worker the stream runs on, by its own and the frontend's count
-
-    def running() -> bool:
-        carrying[:] = [n for n, w in cluster(url).items()
-                       if w["role"] == "decode" and w["inflight"] and w["running"]]
-        return bool(stream.tokens) and len(carrying) == 1
-
-    wait_until(running, 60, "the stream never ran")
-    victim = carrying[0]
+    victim = carrier(url, stream)
     workers[victim].popen.send_signal(signal.SIGSTOP)
     try:
         cut_at = len(stream.tokens)
@@ -312,7 +323,7 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
     prompts = [f"Log {i}: " + LONG_PROMPT * 4 for i in range(4)]
     retried = frontend_counter(url, "splitserve_worker_retries_total")
     migrated = frontend_counter(url, "splitserve_requests_migrated_total")
-    streams = [Stream(grpc_address, p) for p in prompts]
+    streams = [Stream(grpc_address, p, MAX_TOKENS) for p in prompts]
     for s in streams:
         s.start()
     # All four routed, none has its first token: each decode worker waits on p0.
@@ -326,7 +337,8 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
     for s in streams:
         s.join(180)
     assert [s.error for s in streams] == [None] * 4
-    references = [Stream(grpc_address, p) for p in prompts]  # undisturbed, now (greedy: the same tokens)
+    # Undisturbed, now (greedy: the same tokens).
+    references = [Stream(grpc_address, p, MAX_TOKENS) for p in prompts]
     for s in references:
         s.run()
     assert [s.tokens for s in streams] == [s.tokens for s in references]
@@ -340,3 +352,53 @@ def test_decode_worker_killed_while_its_requests_wait_on_a_remote_prefill(stack)
                and p0["kv_transfers_pending"] == 0 and p0["running"] == 0, 60,
                "p0 kept blocks for the dead decode worker")
     print(f"decode {victim} killed with {in_prefill} requests waiting on p0")
+
+
+def test_a_frontend_killed_and_restarted_while_another_serves(stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two frontends on one cluster: the second is SIGKILLed with a stream in
+    flight and started again on its ports; clients of the first are served
+    throughout (none fails), and no worker keeps the orphaned stream."""
+    url, grpc_address, workers, _, _, _ = stack
+    ensure_decode_workers(stack)
+    wait_until(lambda: health(url).get("healthy_prefill_workers") == 1, 30, "p0 is not up")
+    decodes = f"{workers['d0'].address},{workers['d1'].address}"
+    flags = ("--decode", decodes, "--prefill", workers["p0"].address, "--log-level", "warning")
+    second = FrontendProc(tmp_path, "second", *flags)
+    stop = threading.Event()
+    done: list[Stream] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            s = Stream(grpc_address, f"{PROMPTS[i]} (again {len(done)})", 8)
+            s.run()
+            done.append(s)
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(2)]
+    try:
+        wait_until(lambda: health(second.url).get("healthy_decode_workers") == 2, 120, second.tail())
+        for c in clients:
+            c.start()
+        orphan = Stream(second.grpc_address, PROMPTS[6], 400)
+        orphan.start()
+        wait_until(lambda: bool(orphan.tokens), 60, "the second frontend's stream never started")
+        second.popen.kill()
+        second.popen.wait(30)
+        assert len(orphan.tokens) < 400  # killed mid-stream
+        mark = len(done)
+        wait_until(lambda: len(done) >= mark + 4, 120, "the first frontend stopped serving")
+        second = FrontendProc(tmp_path, "second-again", *flags, ports=(second.port, second.grpc_port))
+        wait_until(lambda: health(second.url).get("healthy_decode_workers") == 2, 120, second.tail())
+        assert len(Stream(second.grpc_address, PROMPTS[7], 8).complete()) == 8
+        mark = len(done)
+        wait_until(lambda: len(done) >= mark + 2, 120, "no load after the restart")
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(200)
+        second.stop()
+    orphan.join(30)
+    assert orphan.error is not None  # its frontend died under it
+    assert done and all(s.error is None and len(s.tokens) == 8 for s in done), \
+        [(s.error, len(s.tokens)) for s in done if s.error or len(s.tokens) != 8]
+    wait_until(lambda: all(w["running"] == 0 and w["free_blocks"] == w["total_blocks"]
+                           for w in cluster(url).values()), 60, "a worker kept the orphaned stream")

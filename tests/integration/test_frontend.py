@@ -24,7 +24,7 @@ import pytest
 from protos import pb, pb_grpc
 from services.frontend.tokenizer import Tokenizer
 
-from .procs import ROOT, address, free_port, peer_flag, start_worker
+from .procs import ROOT, free_port, start_pair
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 64  # prompts at least this long are prefilled on the prefill worker (SHORT: 37 tokens)
@@ -77,11 +77,8 @@ class Frontend:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[tuple[Frontend, Any, Any]]:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("frontend")
-    p_port, d_port = free_port(), free_port()
-    p0 = start_worker("prefill", "p0", tmp, "--num-blocks", "256", "--grpc-port", str(p_port),
-                      *peer_flag("prefill", [address(d_port)]))
-    d0 = start_worker("decode", "d0", tmp, "--num-blocks", "256", "--local-prefill-threshold", str(THRESHOLD),
-                      "--grpc-port", str(d_port), *peer_flag("decode", [address(p_port)]))
+    p0, d0 = start_pair(tmp, ["--num-blocks", "256"],
+                        ["--num-blocks", "256", "--local-prefill-threshold", str(THRESHOLD)])
     fe = None
     try:
         fe = Frontend(tmp, d0.wait_ready(), p0.wait_ready())

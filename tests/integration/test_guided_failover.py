@@ -10,20 +10,17 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 from typing import Any
 
-import grpc
 import httpx
 import jsonschema
 import pytest
 
-from protos import pb, pb_grpc
+from protos import pb
 
-from .procs import ROOT, free_port
+from .procs import ROOT, Stream, free_port, start_all
 from .test_failover import health, start_named, wait_until, worker_health
 
-MODEL = "SmolLM2-135M-Instruct"
 ROWS = {"type": "object", "properties": {"rows": {
     "type": "array", "minItems": 5, "maxItems": 5, "items": {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -62,33 +59,10 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             w.stop()
 
 
-class Stream(threading.Thread):
-    def __init__(self, address: str, prompt: str) -> None:
-        super().__init__(daemon=True)
-        self.address, self.prompt = address, prompt
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason = ""
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
-            temperature=0, max_tokens=200, guided=pb.GuidedDecoding(json_schema=json.dumps(ROWS))))
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=300):
-                    self.tokens.extend(r.token_ids)
-                    self.text += r.text
-                    self.finish_reason = r.finish_reason or self.finish_reason
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-
 def run_all(address: str) -> list[Stream]:
-    streams = [Stream(address, p) for p in PROMPTS]
-    for s in streams:
-        s.start()
-    return streams
+    sampling = pb.SamplingParams(temperature=0, max_tokens=200,
+                                 guided=pb.GuidedDecoding(json_schema=json.dumps(ROWS)))
+    return start_all(Stream(address, p, sampling=sampling, timeout=300) for p in PROMPTS)
 
 
 def migrated(url: str) -> float:

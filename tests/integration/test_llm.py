@@ -3,6 +3,7 @@ strings, logprobs, chat, and every block coming back."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -73,6 +74,31 @@ def test_seed_gives_same_tokens_whatever_the_batch(llm) -> None:  # type: ignore
     assert mixed[1].outputs[0].token_ids == alone
     unseeded = [llm.generate(PROMPTS[1], other)[0].outputs[0].token_ids for _ in range(2)]
     assert unseeded[0] != unseeded[1]
+
+
+def test_resumed_seeded_request_continues_as_undisturbed(llm) -> None:  # type: ignore[no-untyped-def]
+    """A migrated seeded request (prompt + its first tokens, marked resumed)
+    goes on with exactly the undisturbed run's tokens: the RNG stands where it
+    would, and the penalties count the resumed tokens as output, not prompt."""
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.6)
+    prompt = llm.tokenizer.encode(PROMPTS[2])
+    whole = llm.generate([prompt], params)[0].outputs[0].token_ids
+    cut = 9
+
+    def rest(num_resumed: int) -> list[int]:
+        out: list[int] = []
+        llm.engine.add_request(f"resumed-{num_resumed}", [*prompt, *whole[:cut]],
+                               dataclasses.replace(params, max_tokens=24 - cut),
+                               num_resumed_tokens=num_resumed)
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                out += o.new_token_ids
+        return out
+
+    assert whole[:cut] + rest(cut) == whole
+    assert whole[:cut] + rest(0) != whole  # as a new prompt it is another sample: the marking matters
+    assert free_equals_total(llm)
 
 
 def test_n_samples_share_the_prompt(llm) -> None:  # type: ignore[no-untyped-def]

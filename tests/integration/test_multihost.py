@@ -19,21 +19,17 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
-from protos import pb, pb_grpc
-
 from .netns import Host, Network, unavailable
-from .procs import ROOT, Proc, start_worker
+from .procs import ROOT, Proc, Stream, start_worker
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -169,30 +165,13 @@ def reference() -> Reference:
     return Reference()
 
 
-class Stream(threading.Thread):
+def stream(cluster: Cluster, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Stream:
     """One greedy stream through the frontend's gRPC API."""
-
-    def __init__(self, cluster: Cluster, prompt: list[int], max_tokens: int = MAX_TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.address, self.prompt, self.max_tokens = f"{cluster.fe.address}:50051", prompt, max_tokens
-        self.tokens: list[int] = []
-        self.finish_reason = ""
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        sampling = pb.SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
-        req = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=self.prompt), sampling=sampling)
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=180):
-                    self.tokens.extend(r.token_ids)
-                    self.finish_reason = r.finish_reason or self.finish_reason
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
+    return Stream(f"{cluster.fe.address}:50051", prompt, max_tokens)
 
 
 def run_all(cluster: Cluster, prompts: list[list[int]]) -> list[Stream]:
-    streams = [Stream(cluster, p) for p in prompts]
+    streams = [stream(cluster, p) for p in prompts]
     for s in streams:
         s.start()
     for s in streams:
@@ -250,7 +229,7 @@ def test_prefill_link_cut_mid_transfer_is_recomputed(cluster: Cluster, reference
     try:
         prompt = [3, *LONG[0][1:]]
         out = pf.bytes_sent()
-        s = Stream(cluster, prompt)
+        s = stream(cluster, prompt)
         s.start()
         # Mid-transfer: a decode worker waits on KV and bytes are flowing out of the prefill host.
         wait_until(lambda: any(w["kv_transfers_pending"] for n, w in cluster.cluster().items()
@@ -269,7 +248,7 @@ def test_prefill_link_cut_mid_transfer_is_recomputed(cluster: Cluster, reference
 
 def test_decode_host_cut_mid_stream_is_migrated(cluster: Cluster, reference: Reference) -> None:
     migrated = cluster.metric("splitserve_requests_migrated_total")
-    streams = [Stream(cluster, p, max_tokens=160) for p in SHORT * 2]
+    streams = [stream(cluster, p, max_tokens=160) for p in SHORT * 2]
     for s in streams:
         s.start()
 

@@ -21,7 +21,7 @@ import pytest
 
 from protos import pb, pb_grpc
 
-from .procs import address, free_port, peer_flag, start_worker
+from .procs import start_pair
 from .test_frontend import MODEL, Frontend, wait_all_blocks_free, workers
 
 THRESHOLD = 32  # chat prompts (system prompt included) are prefilled on the prefill worker
@@ -68,13 +68,10 @@ MAX_TOKENS = 96  # every schema above fits well inside: a cut-off output would n
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Frontend]:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("structured")
-    p_port, d_port = free_port(), free_port()  # each worker knows the other
-    p0 = start_worker("prefill", "p0", tmp, "--num-blocks", "256", "--grpc-port", str(p_port),
-                      *peer_flag("prefill", [address(d_port)]))
-    d0 = start_worker("decode", "d0", tmp, "--num-blocks", "256", "--local-prefill-threshold", str(THRESHOLD),
-                      "--grpc-port", str(d_port), *peer_flag("decode", [address(p_port)]),
-                      "--speculative-method", "ngram", "--num-speculative-tokens", "3",
-                      "--prompt-lookup-min", "1", "--no-adaptive-speculation")
+    p0, d0 = start_pair(tmp, ["--num-blocks", "256"],
+                        ["--num-blocks", "256", "--local-prefill-threshold", str(THRESHOLD),
+                         "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                         "--prompt-lookup-min", "1", "--no-adaptive-speculation"])
     running: list[Frontend | Any] = [d0, p0]
     try:
         fe = Frontend(tmp, d0.wait_ready(), p0.wait_ready(), "--local-prefill-threshold", str(THRESHOLD))

@@ -21,7 +21,7 @@ import pytest
 from protos import pb, pb_grpc
 from tests.unit.test_frontend_hostile import HealthWatch
 
-from .procs import address, free_port, peer_flag, start_worker
+from .procs import start_pair
 from .test_frontend import Frontend
 
 KEY_A, KEY_B = "sk-integration-a", "sk-integration-b"
@@ -33,11 +33,8 @@ LONG = ("Write a ship's log for a lighthouse keeper who counts the storms of one
 @pytest.fixture(scope="module")
 def fe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
     tmp = tmp_path_factory.mktemp("trust")
-    p_port, d_port = free_port(), free_port()  # each worker knows the other
-    p0 = start_worker("prefill", "p0", tmp, "--num-blocks", "256", "--grpc-port", str(p_port),
-                      *peer_flag("prefill", [address(d_port)]))
-    d0 = start_worker("decode", "d0", tmp, "--num-blocks", "256", "--local-prefill-threshold", "64",
-                      "--grpc-port", str(d_port), *peer_flag("decode", [address(p_port)]))
+    p0, d0 = start_pair(tmp, ["--num-blocks", "256"],
+                        ["--num-blocks", "256", "--local-prefill-threshold", "64"])
     frontend = None
     try:
         # Prompts may run to 4 MiB of characters here, so that a huge one is really tokenized.

@@ -13,21 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
-from protos import pb, pb_grpc
+from .procs import ROOT, Stream, free_port
 
-from .procs import ROOT, free_port
-
-MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "A lighthouse keeper finds a message in a bottle. Tell what it says and what happens next."
 MAX_TOKENS = 96  # long enough that the kill lands mid-stream
 
@@ -96,42 +91,6 @@ def quietly(fn: Callable[[], bool]) -> Callable[[], bool]:
     return call
 
 
-class Stream(threading.Thread):
-    """One greedy streamed completion over gRPC; collects token ids as they arrive."""
-
-    def __init__(self, grpc_address: str, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.address, self.prompt, self.max_tokens = grpc_address, prompt, max_tokens
-        self.tokens: list[int] = []
-        self.finish_reason = ""
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        req = pb.GenerateRequest(model=MODEL, text=self.prompt, sampling=pb.SamplingParams(
-            temperature=0, max_tokens=self.max_tokens, ignore_eos=True))
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=180):
-                    self.tokens.extend(r.token_ids)
-                    self.finish_reason = r.finish_reason or self.finish_reason
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def result(self) -> list[int]:
-        """The tokens of a started stream, once it has finished well."""
-        self.join(180)
-        return self._checked()
-
-    def complete(self) -> list[int]:
-        """Run here, not in a thread, to the end."""
-        self.run()
-        return self._checked()
-
-    def _checked(self) -> list[int]:
-        assert self.error is None and self.finish_reason == "length", (self.error, self.finish_reason)
-        return self.tokens
-
-
 def counter(metrics: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name))
 
@@ -145,11 +104,11 @@ def up(tmp_path_factory) -> Iterator[Up]:  # type: ignore[no-untyped-def]
 
 
 def test_killed_decode_worker_fails_over_restarts_and_rejoins(up: Up) -> None:
-    reference = Stream(up.grpc_address)
+    reference = Stream(up.grpc_address, PROMPT, MAX_TOKENS)
     reference.start()
     expected = reference.result()
 
-    stream = Stream(up.grpc_address)
+    stream = Stream(up.grpc_address, PROMPT, MAX_TOKENS)
     stream.start()
     # The victim: the worker that reports the stream running, once tokens flow.
     wait_until(lambda: bool(stream.tokens) and any(w["running"] >= 1 and w["inflight"] >= 1

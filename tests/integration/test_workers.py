@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import address, free_port, peer_flag, start_worker
+from .procs import start_pair
 
 THRESHOLD = 32
 PROMPTS = [
@@ -24,16 +24,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("workers")
-    p_port, d_port = free_port(), free_port()
-    procs = [start_worker("prefill", "p0", tmp, "--num-blocks", "128", "--grpc-port", str(p_port),
-                          *peer_flag("prefill", [address(d_port)])),
-             start_worker("decode", "d0", tmp, "--num-blocks", "128", "--grpc-port", str(d_port),
-                          "--local-prefill-threshold", str(THRESHOLD),
-                          *peer_flag("decode", [address(p_port)]))]
+    procs = start_pair(tmp, ["--num-blocks", "128"],
+                       ["--num-blocks", "128", "--local-prefill-threshold", str(THRESHOLD)])
     try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
+        yield list(procs)
     finally:
         for p in procs:
             p.stop()

@@ -33,3 +33,54 @@ def test_check_registration_refuses_what_does_not_check_out() -> None:
             pytest.fail(what)
     # without a cluster token only the MAC goes unchecked
     assert check_registration(bad["unsigned"], MODEL, "decode", None, layout) == "10.0.0.1:5000"
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.synced: dict[str, set[str]] = {}
+
+    @property
+    def all(self) -> list[str]:
+        return [a for addresses in self.synced.values() for a in addresses]
+
+    def sync(self, role: str, addresses: set[str]) -> None:
+        self.synced[role] = addresses
+
+
+def test_a_vanished_registration_is_kept_for_one_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis restarted empty holds no entries until the workers' next refresh:
+    discovery keeps a worker for a registration's TTL before it retires it."""
+    import asyncio
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from services import discovery
+
+    registered = {"decode": {"10.0.0.1:5000"}, "prefill": {"10.0.0.2:5000"}}
+    clock = [100.0]
+    down = [False]
+
+    async def read(*args: object, **kwargs: object) -> dict[str, set[str]]:
+        if down[0]:
+            raise RedisConnectionError("refused")
+        return {role: set(a) for role, a in registered.items()}
+
+    monkeypatch.setattr(discovery, "read_registrations", read)
+    monkeypatch.setattr(discovery.time, "monotonic", lambda: clock[0])
+    pool = Pool()
+    disc = discovery.Discovery("redis://127.0.0.1:1/0", MODEL, pool)
+    assert asyncio.run(disc.refresh())
+    assert pool.synced == registered
+    down[0] = True  # Redis dies for longer than the grace: that time does not count
+    clock[0] += 10 * disc.absence_grace_s
+    assert not asyncio.run(disc.refresh())
+    down[0] = False
+    registered["decode"] = set()  # back empty (or the worker deregistered meanwhile)
+    asyncio.run(disc.refresh())
+    assert pool.synced["decode"] == {"10.0.0.1:5000"}
+    clock[0] += disc.absence_grace_s
+    asyncio.run(disc.refresh())
+    assert pool.synced["decode"] == {"10.0.0.1:5000"}  # not yet: it may just not have refreshed
+    clock[0] += 0.1
+    asyncio.run(disc.refresh())
+    assert pool.synced == {"decode": set(), "prefill": {"10.0.0.2:5000"}}

@@ -361,6 +361,9 @@ def test_retry_once_on_another_decode_worker(stack: Stack, client: openai.OpenAI
         assert out.choices[0].finish_reason == "length"
         assert [r.cache_salt for r in d0.requests].count("flaky") == 1
         assert [r.cache_salt for r in d1.requests].count("flaky") == 1
+        # The retry is another worker request: the failed one may still linger on a prefill worker.
+        first, retry = (next(r.request_id for r in d.requests if r.cache_salt == "flaky") for d in (d0, d1))
+        assert retry == f"{first}-r1"
         d1.fail_salts["flaky"] = grpc.StatusCode.UNAVAILABLE  # both fail: 503, after one retry
         r = post(stack, "/v1/completions", {"prompt": [1], "max_tokens": 2, "cache_salt": "flaky"})
         assert r.status_code == 503 and r.json()["error"]["message"]
