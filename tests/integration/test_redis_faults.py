@@ -1,4 +1,4 @@
-"""Redis faults through the frontend (issue 13, DESIGN.md invariant 6: a
+"""Redis faults through the frontend (issue 13, docs/ARCHITECTURE.md invariant 6: a
 missing Redis degrades routing to load only).  A frontend that finds its
 workers and their prefixes through Redis keeps serving every request while
 Redis is hung (SIGSTOP) or dead (SIGKILL, then a fresh, empty one on the

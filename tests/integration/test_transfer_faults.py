@@ -1,4 +1,4 @@
-"""Faults inside a KV transfer (issue 13, DESIGN.md invariants 3, 4, 6): the
+"""Faults inside a KV transfer (issue 13, docs/ARCHITECTURE.md invariants 3, 4, 6): the
 prefill worker's sender stalls after some blocks have moved (tests/faultplugin,
 which writes a signal file when it stalls and counts the blocks each decode
 worker received), and then:
