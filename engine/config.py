@@ -10,6 +10,7 @@ from engine.vocab.lora_request import LoRAConfig, LoRARequest
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -40,8 +41,12 @@ class CacheConfig:
     kv_cache_memory: float = 0.25
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, tiny budgets)
+    kv_cache_dtype: str = "auto"  # see engine/layers/kv_quant.py
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size: must be a power of two <= 128, got {self.block_size}")
         if not self.kv_cache_memory > 0:
@@ -145,7 +150,7 @@ class EngineConfig:
 def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
                   device: str = ModelConfig.device, seed: int = ModelConfig.seed,
                   num_threads: int | None = None, attention_backend: str = ModelConfig.attention_backend,
-                  block_size: int = CacheConfig.block_size,
+                  block_size: int = CacheConfig.block_size, kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                   kv_cache_memory: float = CacheConfig.kv_cache_memory,
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                   num_blocks: int | None = None, max_model_len: int | None = None,
@@ -165,7 +170,8 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
         model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
                           attention_backend=attention_backend),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
+                          enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len or 1 << 30,
                                   policy=scheduling_policy),  # type: ignore[arg-type]

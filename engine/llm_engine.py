@@ -24,15 +24,17 @@ from engine.spec_decode.decoder import (
     check_speculative_config,
     make_speculative_decoder,
 )
-from engine.vocab.hashing import extra_keys
+from engine.vocab.hashing import cache_model_key, extra_keys
 from engine.vocab.lora_request import LoRARequest
+from engine.vocab.models import model_id
 from engine.vocab.sampling_params import SamplingParams
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model_dir = resolve_model(config.model.model)
-        self.model_id = model_name(config.model.model)
+        self.model_name = model_name(config.model.model)  # what metrics and users call it
+        self.model_id = model_id(config.model.model)  # name + weights digest: identity between workers
         self.tokenizer = load_tokenizer(model_dir)
         hf_cfg = json.loads((model_dir / "config.json").read_text())
         # Before the weights load: a configuration that cannot work fails fast.
@@ -47,6 +49,9 @@ class LLMEngine:
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_len))
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = _eos_ids(hf_cfg, model_dir, self.tokenizer)
+        # Block hashes: blocks of other weights, dtypes or KV dtypes never match.
+        self.cache_model_key = cache_model_key(self.model_id, _dtype_name(self.runner.dtype),
+                                               _dtype_name(self.runner.kv_dtype))
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
@@ -130,7 +135,8 @@ class LLMEngine:
                 rng.random()
         return Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                        priority=priority, arrival_time=arrival_time, rng=rng, hold_blocks=hold_blocks,
-                       extra_keys=extra_keys(self.model_id, cache_salt, adapter.digest if adapter else None),
+                       extra_keys=extra_keys(self.cache_model_key, cache_salt,
+                                             adapter.digest if adapter else None),
                        grammar=grammar, lora=adapter, num_resumed_tokens=num_resumed_tokens)
 
     # -- LoRA -------------------------------------------------------------------
@@ -306,3 +312,7 @@ def _eos_ids(hf_cfg: dict, model_dir, tokenizer) -> frozenset[int]:  # type: ign
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")

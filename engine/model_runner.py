@@ -19,6 +19,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
+from engine.layers.kv_quant import resolve_kv_dtype
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, bare_modules
@@ -162,18 +163,20 @@ class ModelRunner:
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = self.model.spec
         self.block_size = cache_config.block_size
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
         s = self.spec
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block is contiguous.
         self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
-                                    s.head_dim), self.dtype, self.device)
+                                    s.head_dim), self.kv_dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         self.lora: LoRAManager | None = None  # set by enable_lora
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
-        log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", model_dir.name, self.num_blocks,
-                 self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        log.info("model %s: %d KV blocks of %d tokens (%.1f MiB, %s)", model_dir.name, self.num_blocks,
+                 self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+                 str(self.kv_dtype).removeprefix("torch."))
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRAManager:
         self.lora = LoRAManager(self.model, max_loras, max_rank)
@@ -192,7 +195,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         s = self.spec
         return (s.num_layers * 2 * self.block_size * s.num_kv_heads * s.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+                * self.kv_dtype.itemsize)
 
     def _blocks_for_budget(self, cfg: CacheConfig) -> int:
         budget = cfg.kv_cache_memory

@@ -19,7 +19,8 @@ import torch
 @dataclass(frozen=True)
 class KVLayout:
     model_id: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    dtype: str  # the model's compute dtype: torch's name without "torch.", e.g. "bfloat16"
+    kv_cache_dtype: str  # the cache's storage dtype: `dtype`, or fp8 e.g. "float8_e4m3fn"
     block_size: int  # tokens per block
     num_layers: int
     num_kv_heads: int
@@ -28,8 +29,10 @@ class KVLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ValueError(f"KVLayout.model_id must be a non-empty string, got {self.model_id!r}")
-        if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
-            raise ValueError(f"KVLayout.dtype: {self.dtype!r} is not a torch dtype name")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if not isinstance(getattr(torch, str(value), None), torch.dtype):
+                raise ValueError(f"KVLayout.{name}: {value!r} is not a torch dtype name")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -37,7 +40,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        dtype: torch.dtype = getattr(torch, self.dtype)
+        dtype: torch.dtype = getattr(torch, self.kv_cache_dtype)  # what a block's bytes are
         return dtype.itemsize
 
     @property
@@ -47,12 +50,14 @@ class KVLayout:
                 * self.itemsize)
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+    def from_cache(cls, kv_cache: torch.Tensor, model_id: str, dtype: torch.dtype | str) -> KVLayout:
+        """dtype: the model's compute dtype (the cache's own may be fp8)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError("kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
                              f"head_dim], got shape {tuple(kv_cache.shape)}")
         _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(model_id=model_id, dtype=str(kv_cache.dtype).removeprefix("torch."),
+        return cls(model_id=model_id, dtype=str(dtype).removeprefix("torch."),
+                   kv_cache_dtype=str(kv_cache.dtype).removeprefix("torch."),
                    block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
                    head_dim=head_dim)
 

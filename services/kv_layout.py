@@ -18,19 +18,25 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(KVLayout))
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
-    """What this engine's blocks are: the cache tensor's own shape and dtype."""
-    return KVLayout.from_cache(engine.runner.kv_cache, engine.model_id)
+    """What this engine's blocks are: the cache tensor's own shape and dtype (fp8 or
+    the model's), and the model's compute dtype."""
+    return KVLayout.from_cache(engine.runner.kv_cache, engine.model_id, engine.runner.dtype)
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(**layout.to_dict())
 
 
+def layout_from_proto(p: pb.KVLayout) -> KVLayout:
+    """ValueError when a field is missing or invalid."""
+    return KVLayout(**{f: getattr(p, f) for f in _FIELDS})
+
+
 def layout_mismatch(mine: KVLayout, theirs: pb.KVLayout) -> str | None:
     """Why a peer's layout (as a request carries it) cannot take this worker's
     blocks byte for byte, or None when it can."""
     try:
-        check_compatible(mine, KVLayout(**{f: getattr(theirs, f) for f in _FIELDS}))
+        check_compatible(mine, layout_from_proto(theirs))
     except LayoutMismatch as e:
         return str(e)
     except ValueError as e:  # not a layout at all (a field missing or invalid)

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -44,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory,
                    help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
+    g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model's dtype) or fp8, half a bfloat16 cache "
+                        "(twice the blocks, half the bytes sent to decode); prefill and decode must agree")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
@@ -60,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `LLM(...)` / `engine_config(...)` keywords."""
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=not args.no_prefix_caching,

@@ -71,9 +71,9 @@ class LoadSource(Protocol):
 
 
 class WorkerMetrics:
-    def __init__(self, source: LoadSource, model_id: str) -> None:
+    def __init__(self, source: LoadSource, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = (model_id, source.worker_id, source.role)
+        labels = (model_name, source.worker_id, source.role)
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -126,7 +126,7 @@ async def serve(server: grpc.aio.Server, args: argparse.Namespace, state: Worker
                                          reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     state.grpc_address = f"{advertise_host(args)}:{port}"
-    state.metrics = WorkerMetrics(state, state.engine.engine.model_id)
+    state.metrics = WorkerMetrics(state, state.engine.engine.model_name)  # labels: the plain name
     state.metrics_url = start_metrics_server(state.metrics, args.host, args.metrics_port)
     await server.start()
     await set_health(health_servicer, service_names, health_pb2.HealthCheckResponse.SERVING)

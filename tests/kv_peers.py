@@ -44,7 +44,7 @@ class CacheSpec:
     seed: int = 0  # different seeds give different contents, so a wrong write shows
 
     def layout(self) -> KVLayout:
-        return KVLayout(self.model_id, self.dtype, self.block_size, self.num_layers,
+        return KVLayout(self.model_id, self.dtype, self.dtype, self.block_size, self.num_layers,
                         self.num_kv_heads, self.head_dim)
 
 

@@ -13,6 +13,9 @@ sees keys 0..that position (causal), or with a sliding window W only the last
 W of them, position - W + 1..position (Mistral, Gemma's local layers; as
 transformers masks them). With a soft cap C (Gemma 2) scores s become
 C * tanh(s / C) before the softmax. Decodes (q_len == 1) come first.
+
+The cache may hold fp8 (kv_quant.py): write_kv quantizes, and every reader
+dequantizes what it loads to the query's dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.kv_quant import KV_SCALE, dequantize, is_fp8, quantize
 
 
 @dataclass
@@ -84,20 +88,22 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
              slot_mapping: torch.Tensor) -> None:
     """Store the step's new keys and values.  k, v: [T, Hkv, D]."""
     block_size = kv_cache.shape[3]
+    if kv_cache.dtype != k.dtype:
+        k, v = quantize(k, kv_cache.dtype), quantize(v, kv_cache.dtype)
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     kv_cache[blocks, layer, 0, offsets] = k
     kv_cache[blocks, layer, 1, offsets] = v
 
 
-def _gather(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
+def _gather(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, dtype: torch.dtype,
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table: [B, nb] -> K, V: [B, Hkv, nb * block_size, D] (views of
-    two contiguous gathers; gathering K and V apart avoids a reshape copy)."""
+    """block_table: [B, nb] -> K, V: [B, Hkv, nb * block_size, D] in dtype (views
+    of two contiguous gathers; gathering K and V apart avoids a reshape copy)."""
     b, nb = block_table.shape
     bs, hkv, d = kv_cache.shape[3:]
-    k = kv_cache[block_table, layer, 0].view(b, nb * bs, hkv, d).transpose(1, 2)
-    v = kv_cache[block_table, layer, 1].view(b, nb * bs, hkv, d).transpose(1, 2)
+    k = dequantize(kv_cache[block_table, layer, 0], dtype).view(b, nb * bs, hkv, d).transpose(1, 2)
+    v = dequantize(kv_cache[block_table, layer, 1], dtype).view(b, nb * bs, hkv, d).transpose(1, 2)
     return k, v
 
 
@@ -115,13 +121,16 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     on_cpu = use_kernel and q.device.type == "cpu" and softcap is None
     kernel = load_cpu_kernel() if on_cpu and nd else None
     if kernel is not None:
+        # The kernel reads fp8 values as stored: a cache scale s folds into
+        # the softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
+        s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
         out[:nd] = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd],
-                                                 meta.seq_lens[:nd], scale, window or 0)
+                                                 meta.seq_lens[:nd], scale * s, window or 0) * s
     elif nd:
         # All decodes in one padded SDPA call.
         max_len = max(meta.seq_lens_host[:nd])
         nb = (max_len + block_size - 1) // block_size
-        k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb])
+        k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb], q.dtype)
         key_pos = torch.arange(nb * block_size, device=q.device)
         mask = key_pos[None, :] < meta.seq_lens[:nd, None]  # [Bd, L]
         if window is not None:
@@ -140,7 +149,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             o = attend(qi, ki, vi, None, scale, softcap)
         else:
             nb = (seq_len + block_size - 1) // block_size
-            ki, vi = _gather(kv_cache, layer, meta.block_tables[i:i + 1, :nb])
+            ki, vi = _gather(kv_cache, layer, meta.block_tables[i:i + 1, :nb], q.dtype)
             ki, vi = ki[:, :, :seq_len], vi[:, :, :seq_len]
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = visible(q_pos, torch.arange(seq_len, device=q.device), window)  # [q_len, seq_len]

@@ -213,9 +213,15 @@ class LlamaLayer(nn.Module):
             for norm, lo, n in ((self.q_norm, 0, s.num_heads), (self.k_norm, self.q_size, s.num_kv_heads)):
                 part = qkv[:, lo:lo + n * s.head_dim]
                 part.copy_(f.rms_norm(part.reshape(t, n, s.head_dim), norm.weight, norm.eps).view(t, -1))
-        q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
-                                   s.num_heads, s.num_kv_heads)
         v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        if kv_cache.dtype == torch.float32:
+            q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
+                                       s.num_heads, s.num_kv_heads)
+        else:  # an fp8 cache: the fused store writes float32 only; write_kv quantizes
+            q = apply_rope(qkv[:, :self.q_size].view(t, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim),
+                           cos, sin)
+            write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
         h = f.rms_norm(self.o_proj(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)  # x += o_proj(o)
         return x.add_(self.down_proj(f.silu_and_mul(self.gate_up_proj(h))))

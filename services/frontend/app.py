@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from engine.vocab.models import model_name
+from engine.vocab.models import model_id, model_name
 from services.frontend.config import FrontendConfig
 from services.frontend.core import Frontend
 from services.frontend.grpc_service import build_grpc_server, set_serving
@@ -52,8 +52,10 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
     tokenizer = Tokenizer(model_dir)
     name = config.served_model_name or model_name(config.model)
-    index = open_index(model_name(config.model), config.redis_url)
-    pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, model_name(config.model),
+    # Workers say which weights they serve (name + digest); this frontend takes those it tokenizes for.
+    mid = await asyncio.to_thread(model_id, config.model)
+    index = open_index(mid, config.redis_url)
+    pool = WorkerPool(config.decode, config.prefill, config.load_interval_seconds, mid,
                       index, cluster_token=config.cluster_token)
     discovery = None
     tracing = Tracing.start("splitserve-frontend", config.otlp_endpoint)
@@ -70,8 +72,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
             assert config.redis_url is not None
             from services.discovery import model_layout
 
-            fixed = model_layout(model_dir, model_name(config.model))
-            discovery = Discovery(config.redis_url, model_name(config.model), pool,
+            fixed = model_layout(model_dir, mid)
+            discovery = Discovery(config.redis_url, mid, pool,
                                   config.discovery_interval_seconds, token=config.cluster_token,
                                   layout=lambda: {**fixed, **(pool.kv_layout() or {})})
             await discovery.refresh()

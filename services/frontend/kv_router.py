@@ -31,7 +31,7 @@ class KVAwareRouter(LoadRouter):
                  retry_after_s: float = 0.5, request_cost: float = 2.0) -> None:
         super().__init__(local_prefill_threshold)
         self.index = index
-        self.layout = layout  # () -> (block_size, model_id) once the workers have said
+        self.layout = layout  # () -> (block_size, cache_model_key) once the workers have said
         self.queue_weight = queue_weight
         self.request_cost = request_cost
         self.index_fallbacks = 0  # routes made without the index because it failed
@@ -50,9 +50,9 @@ class KVAwareRouter(LoadRouter):
         layout = self.layout()
         if layout is None:  # no worker has said its block size yet
             return self._by_load(decodes, prefills if remote else (), "no_layout")
-        block_size, model_id = layout
+        block_size, model_key = layout
         hashes = hash_blocks(request.prompt_token_ids, block_size,
-                             extra_keys(model_id, request.cache_salt or None, request.lora_id or None))
+                             extra_keys(model_key, request.cache_salt or None, request.lora_id or None))
         try:
             hits = self._lookup(hashes) if hashes else {}
         except IndexUnavailable:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import grpc
 
 from engine.vocab.cache_events import CacheEvent
+from engine.vocab.hashing import cache_model_key
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
 from services.frontend.router import WorkerLoad
@@ -214,19 +215,21 @@ class WorkerPool:
         return Worker(address, role, self.interval, self.model_id, self.index, self.cluster_token)
 
     def kv_layout(self) -> dict[str, object] | None:
-        """The full KV layout the serving workers reported (registrations must match it)."""
+        """The full KV layout the serving workers reported (registrations must match it):
+        every field of the message, which mirrors kvtransfer's KVLayout (one definition;
+        tests/unit/test_kv_wire.py holds them equal)."""
         for w in self.all:
             if w.info is not None and w.info.layout.block_size > 0:
                 lay = w.info.layout
-                return {f: getattr(lay, f) for f in ("model_id", "dtype", "block_size", "num_layers",
-                                                      "num_kv_heads", "head_dim")}
+                return {f.name: getattr(lay, f.name) for f in lay.DESCRIPTOR.fields}
         return None
 
     def layout(self) -> tuple[int, str] | None:
-        """(block size, model id) as the workers reported them, for block hashes."""
+        """(block size, the model's key in block hashes) as the workers reported them."""
         for w in self.all:
             if w.info is not None and w.info.layout.block_size > 0:
-                return w.info.layout.block_size, w.info.layout.model_id
+                lay = w.info.layout
+                return lay.block_size, cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype)
         return None
 
     @property

@@ -13,9 +13,11 @@ import httpx
 import pytest
 import redis
 
+from engine.vocab.models import model_id
 from protos import pb, pb_grpc
 from services.cluster_auth import ENV, sync_channel
 from services.discovery import read_registrations, registration_prefix, registration_value
+from services.kv_layout import layout_from_proto
 
 from .procs import FrontendProc, Listener, start_worker
 from .test_prefix_index_redis import RedisServer
@@ -24,10 +26,11 @@ pytestmark = pytest.mark.timeout(300)
 
 TOKEN = "redis-test-token-0123456789"
 MODEL = "SmolLM2-135M-Instruct"
+MODEL_ID = model_id(None)  # name + weights digest: what workers and the frontend register under
 
 
 def plant(client: redis.Redis, role: str, worker_id: bytes, value: bytes) -> None:
-    members = registration_prefix(MODEL) + role
+    members = registration_prefix(MODEL_ID) + role
     client.set(members.encode() + b":" + worker_id, value, px=600_000)
     client.sadd(members, worker_id)
 
@@ -43,11 +46,10 @@ def test_rogue_registrations_never_receive_a_request(redis_server: RedisServer, 
     try:
         address = d0.wait_ready()
         info = pb_grpc.DecodeStub(sync_channel(address, TOKEN)).Info(pb.InfoRequest(), timeout=10)
-        layout = {f: getattr(info.layout, f) for f in ("model_id", "dtype", "block_size", "num_layers",
-                                                       "num_kv_heads", "head_dim")}
+        layout = layout_from_proto(info.layout).to_dict()  # every field, as a registration has them
         for role in ("decode", "prefill"):  # the frontend reads both; the decode worker reads prefill
-            unsigned = registration_value(MODEL, role, "x", rogue.address, layout, None)
-            forged = registration_value(MODEL, role, "x", rogue.address, layout, "guess")
+            unsigned = registration_value(MODEL_ID, role, "x", rogue.address, layout, None)
+            forged = registration_value(MODEL_ID, role, "x", rogue.address, layout, "guess")
             plant(client, role, b"unsigned", unsigned)
             plant(client, role, b"forged", forged)
             plant(client, role, b"not-utf8", b"\xff\xfe\x80 not UTF-8")
@@ -56,10 +58,10 @@ def test_rogue_registrations_never_receive_a_request(redis_server: RedisServer, 
         # signed with the real token, but for another role / layout: refused all the same
         for role, worker_id, value in (
                 ("decode", b"other-role",
-                 registration_value(MODEL, "prefill", "x", rogue.address, layout, TOKEN)),
-                ("decode", b"other-model-layout", registration_value(MODEL, "decode", "x", rogue.address,
+                 registration_value(MODEL_ID, "prefill", "x", rogue.address, layout, TOKEN)),
+                ("decode", b"other-model-layout", registration_value(MODEL_ID, "decode", "x", rogue.address,
                                                                      {**layout, "num_layers": 2}, TOKEN)),
-                ("prefill", b"other-layout", registration_value(MODEL, "prefill", "x", rogue.address,
+                ("prefill", b"other-layout", registration_value(MODEL_ID, "prefill", "x", rogue.address,
                                                                 {**layout, "num_layers": 2}, TOKEN))):
             plant(client, role, worker_id, value)
 
@@ -72,7 +74,7 @@ def test_rogue_registrations_never_receive_a_request(redis_server: RedisServer, 
             time.sleep(0.1)
         # the block size is a worker flag: checked against the workers already serving
         plant(client, "decode", b"other-block-size", registration_value(
-            MODEL, "decode", "x", rogue.address, {**layout, "block_size": 32}, TOKEN))
+            MODEL_ID, "decode", "x", rogue.address, {**layout, "block_size": 32}, TOKEN))
         refused = "reg:decode:other-block-size': layout"
         while refused not in fe.tail(100_000):
             assert time.monotonic() < deadline, fe.tail()
@@ -99,6 +101,6 @@ async def _read(url: str, layout: dict[str, object]) -> dict[str, set[str]]:
 
     client = aioredis.Redis.from_url(url)
     try:
-        return await read_registrations(client, MODEL, TOKEN, layout)
+        return await read_registrations(client, MODEL_ID, TOKEN, layout)
     finally:
         await client.aclose()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.vocab.hashing import extra_keys, hash_blocks
+from engine.vocab.hashing import cache_model_key, extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
 from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
@@ -275,7 +275,8 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
     wait_indexed(kv_url, PREFIX_BLOCKS)
     cluster = httpx.get(f"{kv_url}/cluster").json()
     model_id = next(w["model_id"] for w in cluster["workers"] if w["model_id"])
-    hashes = hash_blocks(prefix, BLOCK, extra_keys(model_id, None))
+    # The workers' flags (procs.WORKER_FLAGS): float32 compute and cache.
+    hashes = hash_blocks(prefix, BLOCK, extra_keys(cache_model_key(model_id, "float32", "float32"), None))
     index = RedisPrefixIndex(f"redis://127.0.0.1:{stack['redis_port']}", model_id, lookup_timeout_s=0.5)
     try:
         deadline = time.monotonic() + 5  # the Redis frontend relays the same events

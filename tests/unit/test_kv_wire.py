@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvtransfer import wire
 from kvtransfer.channel import block_buffer
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
+from protos import pb
+from services.kv_layout import layout_from_proto, layout_mismatch, layout_to_proto
 
-SMOL = KVLayout("SmolLM2-135M-Instruct", "bfloat16", block_size=16, num_layers=30, num_kv_heads=3,
-                head_dim=64)
+SMOL = KVLayout("SmolLM2-135M-Instruct", "bfloat16", "bfloat16", block_size=16, num_layers=30,
+                num_kv_heads=3, head_dim=64)
 
 
 def test_block_bytes_of_the_default_model_is_360_kib() -> None:
@@ -19,10 +23,30 @@ def test_block_bytes_of_the_default_model_is_360_kib() -> None:
 
 def test_from_cache_reads_shape_and_dtype() -> None:
     kv = torch.zeros(5, 30, 2, 16, 3, 64, dtype=torch.bfloat16)
-    assert KVLayout.from_cache(kv, SMOL.model_id) == SMOL
+    assert KVLayout.from_cache(kv, SMOL.model_id, "bfloat16") == SMOL
     assert kv[0].numel() * kv.element_size() == SMOL.block_bytes
     with pytest.raises(ValueError, match="kv_cache must be"):
-        KVLayout.from_cache(torch.zeros(5, 30, 3, 16, 3, 64), "m")
+        KVLayout.from_cache(torch.zeros(5, 30, 3, 16, 3, 64), "m", "float32")
+
+
+def test_an_fp8_cache_is_its_own_layout_of_half_the_bytes() -> None:
+    kv = torch.zeros(5, 30, 2, 16, 3, 64, dtype=torch.float8_e4m3fn)
+    fp8 = KVLayout.from_cache(kv, SMOL.model_id, torch.bfloat16)
+    assert (fp8.dtype, fp8.kv_cache_dtype) == ("bfloat16", "float8_e4m3fn")
+    assert fp8.block_bytes == SMOL.block_bytes // 2 == kv[0].numel()
+    with pytest.raises(LayoutMismatch) as info:
+        check_compatible(SMOL, fp8)
+    assert info.value.differences == {"kv_cache_dtype": ("bfloat16", "float8_e4m3fn")}
+
+
+def test_the_protobuf_layout_has_exactly_the_dataclass_fields() -> None:
+    """One definition: kvtransfer's KVLayout; the message (which the torch-free
+    frontend reads field by field) mirrors it, and a registration is its dict."""
+    fp8 = dataclasses.replace(SMOL, kv_cache_dtype="float8_e5m2")
+    assert {f.name for f in pb.KVLayout.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(KVLayout)}
+    assert layout_from_proto(layout_to_proto(fp8)) == fp8
+    assert "kv_cache_dtype: local 'bfloat16' vs remote 'float8_e5m2'" in str(
+        layout_mismatch(SMOL, layout_to_proto(fp8)))
 
 
 def test_layout_dict_round_trip_and_validation() -> None:
@@ -32,9 +56,9 @@ def test_layout_dict_round_trip_and_validation() -> None:
     with pytest.raises(ValueError, match="unknown fields \\['extra'\\]"):
         KVLayout.from_dict({**SMOL.to_dict(), "extra": 1})
     with pytest.raises(ValueError, match="not a torch dtype"):
-        KVLayout("m", "float13", 16, 1, 1, 1)
+        KVLayout("m", "float13", "float13", 16, 1, 1, 1)
     with pytest.raises(ValueError, match="block_size must be a positive int"):
-        KVLayout("m", "float32", 0, 1, 1, 1)
+        KVLayout("m", "float32", "float32", 0, 1, 1, 1)
 
 
 def test_compatible_layouts_pass() -> None:
@@ -42,7 +66,8 @@ def test_compatible_layouts_pass() -> None:
 
 
 def test_mismatch_names_every_differing_field_with_both_values() -> None:
-    other = KVLayout("other-model", "float32", block_size=32, num_layers=30, num_kv_heads=3, head_dim=64)
+    other = KVLayout("other-model", "float32", "bfloat16", block_size=32, num_layers=30, num_kv_heads=3,
+                     head_dim=64)
     with pytest.raises(LayoutMismatch) as info:
         check_compatible(SMOL, other)
     msg = str(info.value)

@@ -76,3 +76,14 @@ def test_every_command_line_flag_has_help_and_shows_its_default() -> None:
             if action.default not in (None, False, argparse.SUPPRESS) and action.help != argparse.SUPPRESS:
                 at = text.index(flag + " ", text.index("options:") if "options:" in text else 0)
                 assert "default" in text[at:at + 400], f"splitserve {name} {flag}: help shows no default"
+
+
+def test_kv_cache_dtype_reaches_both_workers_and_parses_there() -> None:
+    from services.decode.__main__ import build_parser as decode_parser
+    from services.launcher import engine_argv
+    from services.prefill.__main__ import build_parser as prefill_parser
+
+    argv = engine_argv(up_parser().parse_args(["--kv-cache-dtype", "fp8_e5m2"]))
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
+    for parser in (prefill_parser(), decode_parser()):
+        assert parser.parse_args(argv).kv_cache_dtype == "fp8_e5m2"

@@ -3,7 +3,9 @@
 // padding).
 //
 //   q:            [B, Hq, D]
-//   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D]
+//   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D], q's dtype or
+//                 fp8 (e4m3fn, e5m2: dequantized as rows are loaded; the
+//                 cache's scale is 1, see engine/layers/kv_quant.py)
 //   block_tables: [B, max_blocks] int32
 //   seq_lens:     [B] int32
 //   window:       > 0: a sequence of length L attends to its last `window`
@@ -44,6 +46,36 @@ inline const float* as_floats(const scalar_t* row, float* buf, int64_t D) {
     for (int64_t d = 0; d < D; ++d) buf[d] = to_f(row[d]);
     return buf;
   }
+}
+
+// fp8 rows: each of the 256 byte values decoded once into a table, then one
+// load per element.
+template <typename fp8_t>
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename fp8_t>
+inline const float* fp8_as_floats(const fp8_t* row, float* buf, int64_t D) {
+  const float* table = fp8_table<fp8_t>();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  for (int64_t d = 0; d < D; ++d) buf[d] = table[bytes[d]];
+  return buf;
+}
+
+template <>
+inline const float* as_floats(const c10::Float8_e4m3fn* row, float* buf, int64_t D) {
+  return fp8_as_floats(row, buf, D);
+}
+
+template <>
+inline const float* as_floats(const c10::Float8_e5m2* row, float* buf, int64_t D) {
+  return fp8_as_floats(row, buf, D);
 }
 
 // Partial result of one span: per query head, m, l and the unnormalised sum.
@@ -124,7 +156,8 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   }
 }
 
-template <typename scalar_t, int D_>
+// scalar_t: the query's and output's dtype; cache_t: the cache's (the same, or fp8).
+template <typename scalar_t, typename cache_t, int D_>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                    double scale, int64_t window, at::Tensor& out) {
@@ -134,7 +167,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   const int64_t s_blk = kv.stride(0), s_lyr = kv.stride(1), s_kv = kv.stride(2),
                 s_tok = kv.stride(3), s_head = kv.stride(4);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* base = kv.data_ptr<scalar_t>() + layer * s_lyr;
+  const cache_t* base = kv.data_ptr<cache_t>() + layer * s_lyr;
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t bt_stride = block_tables.stride(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -170,7 +203,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       const int64_t t0 = std::max(lo[b], s0);
       const int64_t t1 = std::min<int64_t>(s0 + PART_TOKENS, lens[b]);
       Partial p{&part_m[task * Hq], &part_l[task * Hq], &part_acc[task * Hq * D]};
-      span<scalar_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
+      span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
     }
   });
@@ -197,6 +230,17 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   });
 }
 
+// The head size as a compile-time constant where it is a common one.
+template <typename scalar_t, typename cache_t>
+void decode_heads(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: decode_kernel<scalar_t, cache_t, 64>(q, kv, layer, block_tables, seq_lens, scale, window, out); break;
+    case 128: decode_kernel<scalar_t, cache_t, 128>(q, kv, layer, block_tables, seq_lens, scale, window, out); break;
+    default: decode_kernel<scalar_t, cache_t, 0>(q, kv, layer, block_tables, seq_lens, scale, window, out);
+  }
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer,
@@ -204,7 +248,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
                                   int64_t window) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 6, "paged_decode_attention: bad ranks");
   TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 || q.scalar_type() == cache_type, "q and kv_cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
@@ -214,11 +260,12 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
   seq_lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64: decode_kernel<scalar_t, 64>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out); break;
-      case 128: decode_kernel<scalar_t, 128>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out); break;
-      default: decode_kernel<scalar_t, 0>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
-    }
+    if (cache_type == at::kFloat8_e4m3fn)
+      decode_heads<scalar_t, c10::Float8_e4m3fn>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+    else if (cache_type == at::kFloat8_e5m2)
+      decode_heads<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+    else
+      decode_heads<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
   });
   return out;
 }

@@ -1,0 +1,57 @@
+"""The KV cache's storage dtype: the model's own, or fp8 (`--kv-cache-dtype`).
+
+fp8 halves a bfloat16 cache (a quarter of a float32 one): twice the blocks for
+the same memory and half the bytes a prefill sends a decode.  Values are
+stored as x / KV_SCALE, saturated to the format's largest finite value, and
+read back as stored * KV_SCALE in the compute dtype.
+
+Scales: one per tensor, fixed (KV_SCALE = 1.0, as vLLM uses for checkpoints
+without calibrated scales), not per block and head, because
+  - fp8 is floating point: its relative precision (e4m3: 3 mantissa bits) is the
+    same at every magnitude, so a scale only moves the range.  The keys and
+    values of the models served here stay well inside e4m3's normal range
+    (SmolLM2-135M, all 30 layers: |K| <= 21, |V| <= 13, against a largest
+    finite 448 and a smallest normal 2**-6); anything larger saturates;
+  - a block stays plain bytes: a transfer sends exactly half the bytes and the
+    receiver needs no side table, a prefix-cache hit reuses the block as it
+    is, and two workers agree on the encoding by construction (the dtype in
+    the layout handshake says it all);
+  - a decode appends to its last block one token at a time: per-block scales
+    would have to grow, and re-quantize the block, as larger values arrive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import KV_CACHE_DTYPES
+
+KV_SCALE = 1.0
+FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+assert set(FP8_DTYPES) | {"auto"} == set(KV_CACHE_DTYPES)
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for a --kv-cache-dtype value (auto: the model's)."""
+    return model_dtype if name == "auto" else FP8_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES.values()
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the compute dtype -> the cache's dtype.  Saturating: a plain cast
+    turns values past the largest finite one into NaN (e4m3fn) or inf (e5m2)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x.float() / KV_SCALE).clamp_(-top, top).to(dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values -> the compute dtype (a no-op for an unquantized cache)."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    out = x.to(dtype)
+    return out if KV_SCALE == 1.0 else out.mul_(KV_SCALE)

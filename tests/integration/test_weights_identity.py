@@ -1,0 +1,53 @@
+"""New weights under the same model name (a rollout that overwrites the files):
+the engines' model ids differ, so their KV layouts refuse each other (at the
+prefill's check and at the UCX handshake) and no block hash is shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kvtransfer.layout import LayoutMismatch, check_compatible
+from services.kv_layout import engine_layout, layout_mismatch, layout_to_proto
+
+
+@pytest.fixture(scope="module")
+def two_versions(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """old/<name>: the model as it is; new/<name>: the same files but one weight
+    nudged (a fine-tune deployed under the same name)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("versions")
+    old, new = root / "old" / model_dir.name, root / "new" / model_dir.name
+    old.parent.mkdir()
+    old.symlink_to(model_dir, target_is_directory=True)
+    new.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (new / f.name).symlink_to(f)
+    state = load_file(str(model_dir / "model.safetensors"))
+    name = next(k for k in state if k.endswith("layers.0.self_attn.k_proj.weight"))
+    state[name] = state[name] * 1.001
+    save_file(state, str(new / "model.safetensors"), metadata={"format": "pt"})
+    return old, new
+
+
+def test_new_weights_under_the_same_name_never_mix(two_versions: tuple[Path, Path]) -> None:
+    old, new = (LLM(model=str(p), dtype="float32", num_blocks=16, num_threads=1).engine for p in two_versions)
+    assert old.model_name == new.model_name
+    assert old.model_id != new.model_id
+    print(f"\nsame name, two weight versions: {old.model_id} vs {new.model_id}")
+    # The prefill's check of the decode's layout names the field.
+    mismatch = layout_mismatch(engine_layout(old), layout_to_proto(engine_layout(new)))
+    assert mismatch is not None and "model_id: local" in mismatch and "kv_cache_dtype" not in mismatch
+    # The UCX handshake refuses too.
+    with pytest.raises(LayoutMismatch, match="model_id"):
+        check_compatible(engine_layout(old), engine_layout(new))
+    # Same prompt, no shared block hash (prefix index, prefix cache).
+    ids = old.tokenize("The same prompt on two versions of the weights, long enough for blocks. " * 3)
+    old_hashes, new_hashes = (set(eng.add_request("r", ids, SamplingParams(max_tokens=1))
+                                  .update_block_hashes(eng.kv.block_size)) for eng in (old, new))
+    assert len(old_hashes) == len(new_hashes) == len(ids) // old.kv.block_size > 0
+    assert not old_hashes & new_hashes

@@ -1,0 +1,97 @@
+"""fp8 KV caches: the quantizer saturates, and every attention reader (the torch
+path, the CPU decode kernel, Triton by its interpreter) computes on exactly the
+dequantized values, close to the float answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig
+from engine.layers.attention import paged_attention
+from engine.layers.kv_quant import FP8_DTYPES, dequantize, quantize, resolve_kv_dtype
+from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step
+
+FP8 = list(FP8_DTYPES.values())
+# fp8 attention against float32 on unit-normal K/V: a value keeps 3 (e4m3) or 2
+# (e5m2) mantissa bits, off by up to 2**-4 or 2**-3 of itself, so a one-key
+# output (= v) may be 0.15 or 0.3 off; on average the error is far smaller.
+# A wrong decode (a byte misread, a missing scale) is off by about 1.
+FP8_MAX_ERR = {torch.float8_e4m3fn: 0.15, torch.float8_e5m2: 0.3}
+FP8_MEAN_ERR = {torch.float8_e4m3fn: 0.015, torch.float8_e5m2: 0.03}
+
+
+def _close_to_float(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (out.float() - expected).abs()
+    assert err.max().item() < FP8_MAX_ERR[dtype], err.max().item()
+    assert err.mean().item() < FP8_MEAN_ERR[dtype], err.mean().item()
+
+
+def test_flag_values() -> None:
+    assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    assert resolve_kv_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, fp8_e4m3, fp8_e5m2"):
+        CacheConfig(kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_quantize_saturates(dtype: torch.dtype) -> None:
+    """A plain cast makes NaN (e4m3fn) or inf (e5m2) of values past the largest
+    finite one; the cache keeps the largest finite value of the right sign."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([1e6, -1e6, top * 2, 1.0, -0.5, 0.0])
+    back = dequantize(quantize(x, dtype), torch.float32)
+    assert torch.isfinite(back).all()
+    assert back.tolist() == [top, -top, top, 1.0, -0.5, 0.0]
+
+
+def _fp8_step(dtype: torch.dtype, seqs: list[tuple[int, int]], block_size: int, seed: int):  # type: ignore[no-untyped-def]
+    """A float32 step and the same step over an fp8 cache.  -> (q, k_new, v_new,
+    fp8 cache, meta, reference on the dequantized values, float32 answer)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k_new, v_new, cache32, meta, expected = _make_step(seqs, block_size, 9, 3, 64, gen)
+    cache8 = quantize(cache32, dtype)
+    # What fp8 attention computes: the torch path over the dequantized cache,
+    # with this step's keys rounded as the cache rounds them.
+    k_r, v_r = (dequantize(quantize(t, dtype), torch.float32) for t in (k_new, v_new))
+    ref = paged_attention(q, k_r, v_r, dequantize(cache8, torch.float32), LAYER, meta, 64 ** -0.5,
+                          use_kernel=False)
+    return q, k_new, v_new, cache8, meta, ref, expected
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_torch_path_and_cpu_kernel_read_fp8(dtype: torch.dtype, block_size: int) -> None:
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    assert load_cpu_kernel() is not None
+    q, k_new, v_new, cache8, meta, ref, expected = _fp8_step(dtype, MIXED_BATCH, block_size, 11)
+    scale = 64 ** -0.5
+    # Prefills without a cached prefix attend to this step's unrounded keys.
+    fresh = [i for i, (ql, sl) in enumerate(MIXED_BATCH) if ql == sl and ql > 1]
+    rows = torch.ones(q.shape[0], dtype=torch.bool)
+    starts = meta.query_start_loc.tolist()
+    for i in fresh:
+        rows[starts[i]:starts[i + 1]] = False
+    for use_kernel in (True, False):
+        out = paged_attention(q, k_new, v_new, cache8, LAYER, meta, scale, use_kernel=use_kernel)
+        assert (out[rows] - ref[rows]).abs().max().item() < 1e-5, use_kernel
+        _close_to_float(out, expected, dtype)
+    nd = meta.num_decodes
+    kernel_out = load_cpu_kernel().paged_decode_attention(  # type: ignore[union-attr]
+        q[:nd].bfloat16(), cache8, LAYER, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    assert kernel_out.dtype == torch.bfloat16  # a bf16 model over an fp8 cache
+    assert (kernel_out.float() - ref[:nd]).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_reads_fp8(dtype: torch.dtype) -> None:
+    pytest.importorskip("triton")
+    from engine.layers.triton_attention import triton_paged_attention
+
+    q, _, _, cache8, meta, ref, expected = _fp8_step(dtype, MIXED_BATCH, 16, 12)
+    out = triton_paged_attention(q, cache8, LAYER, meta, 64 ** -0.5)
+    # Triton reads every key from the cache, a fresh prefill's too: the rounded reference everywhere.
+    assert (out - ref).abs().max().item() < 1e-4
+    _close_to_float(out, expected, dtype)
