@@ -1,6 +1,7 @@
 """The prefill -> decode handoff: what a decode engine reserved for a prompt
-whose KV a prefill worker computes and sends (docs/ARCHITECTURE.md, invariants 2 and 3).
-Torch-free; the PrefillRequest's `dst_block_ids` and `first_block` mirror it."""
+whose KV a prefill worker computes and sends (docs/ARCHITECTURE.md, invariants 2,
+3 and 7).  The PrefillRequest's `dst_block_ids`, `first_block`, `layout` and
+`lora` mirror it (services/kv_layout.py converts)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.vocab.lora_request import LoRARequest
+from kvtransfer.layout import KVLayout, check_compatible
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,9 @@ class KVHandoff:
     # Blocks before this one the decode worker holds already (its local prefix
     # hit): they are not sent.
     first_block: int
+    # What the decode worker's blocks are (LLMEngine.kv_layout): the KV lands in
+    # them byte for byte, so the prefill worker's must be the same.
+    layout: KVLayout
     # The LoRA adapter the prompt runs with (None: the base model) and its digest
     # here: the prefill worker must prefill with the very same weights.
     lora: LoRARequest | None = None
@@ -31,6 +36,12 @@ class KVHandoff:
     def blocks_to_fill(self) -> tuple[int, ...]:
         """The blocks the prefill worker's KV lands in."""
         return self.block_ids[self.first_block:]
+
+    def check_layout(self, local: KVLayout) -> None:
+        """The prefill worker's own layout against the decode worker's: LayoutMismatch
+        (a ValueError naming every field that differs) when its blocks cannot land
+        in the decode worker's byte for byte (invariant 7)."""
+        check_compatible(local, self.layout)
 
     def pair(self, src_block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """The prefill worker's own block table for the same prompt -> the

@@ -28,6 +28,7 @@ from engine.vocab.hashing import cache_model_key, extra_keys
 from engine.vocab.lora_request import LoRARequest
 from engine.vocab.models import model_id
 from engine.vocab.sampling_params import SamplingParams
+from kvtransfer.layout import KVLayout
 
 
 class LLMEngine:
@@ -52,6 +53,10 @@ class LLMEngine:
         # Block hashes: blocks of other weights, dtypes or KV dtypes never match.
         self.cache_model_key = cache_model_key(self.model_id, _dtype_name(self.runner.dtype),
                                                _dtype_name(self.runner.kv_dtype))
+        # What this engine's blocks are, built once (docs/ARCHITECTURE.md, invariant 7): the
+        # cache tensor's own shape and dtype (fp8 or the model's) and the compute dtype.
+        # The UCX handshake, Info, registrations and every handoff carry it.
+        self.kv_layout = KVLayout.from_cache(self.runner.kv_cache, self.model_id, self.runner.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
@@ -185,6 +190,7 @@ class LLMEngine:
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         adapter = req.lora  # the engine's LoRAAdapter, or None
         return KVHandoff(request_id, tuple(block_ids), req.num_computed_tokens // self.kv.block_size,
+                         self.kv_layout,
                          lora=None if adapter is None else LoRARequest(adapter.name, adapter.path),
                          lora_digest="" if adapter is None else adapter.digest)
 

@@ -1,5 +1,6 @@
-"""Info, WatchLoad and Abort: the RPCs both roles answer the same way, and the
-mapping of a stream's error to the status a caller acts on."""
+"""Info, WatchLoad and Abort: the RPCs both roles answer the same way; a request's
+sampling params with its grammar compiled; the mapping of a stream's error to
+the status a caller acts on."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.vocab.cache_events import CacheEvent
+from engine.vocab.sampling_params import SamplingParams
 from protos import pb
 from services.cache_event_log import cache_events_proto
+from services.convert import sampling_from_proto
 from services.engine_loop import EngineDead
 from services.worker_state import WorkerState
 
@@ -53,6 +56,16 @@ class WorkerRPCs:
 
     async def close(self) -> None:
         pass
+
+
+async def request_sampling(state: WorkerState, msg: pb.SamplingParams) -> SamplingParams:
+    """A Generate or Prefill request's sampling params, with their grammar (if any)
+    compiled, or found cached, here on the event loop's worker thread and not on the
+    engine thread, which then never waits for xgrammar.  ValueError naming the field."""
+    params = sampling_from_proto(msg)
+    if params.guided is not None:
+        await asyncio.to_thread(state.engine.engine.grammars.compile, params.guided)
+    return params
 
 
 class RequestAborted(Exception):

@@ -18,13 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.llm_engine import LLMEngine
-from kvtransfer.layout import KVLayout
 from kvtransfer.transport import KVTransport
 from services.affinity import pin_worker
 from services.cluster_auth import cluster_token, server_interceptors, warn_if_open
 from services.engine_loop import EngineLoop
 from services.fault_hooks import load_fault_hooks
-from services.kv_layout import engine_layout
 from services.peers import KnownPeers
 from services.tracing import Tracing
 from services.worker_flags import advertise_host, peer_role, worker_engine_config
@@ -37,10 +35,10 @@ log = logging.getLogger(__name__)
 MakeServicer = Callable[[WorkerState, KVTransport, KnownPeers, str | None], Any]
 
 
-async def start_transport(engine: LLMEngine, layout: KVLayout, args: argparse.Namespace) -> KVTransport:
+async def start_transport(engine: LLMEngine, args: argparse.Namespace) -> KVTransport:
     """The UCX listener over this worker's KV cache memory."""
-    transport = KVTransport(engine.runner.kv_cache, layout, host=advertise_host(args), port=args.ucx_port,
-                            timeout_s=args.kv_transfer_timeout, listen_host=args.host)
+    transport = KVTransport(engine.runner.kv_cache, engine.kv_layout, host=advertise_host(args),
+                            port=args.ucx_port, timeout_s=args.kv_transfer_timeout, listen_host=args.host)
     await transport.start()
     return transport
 
@@ -62,12 +60,11 @@ def run_worker(args: argparse.Namespace, role: str, make_servicer: MakeServicer,
 
     async def amain() -> int:
         engine = LLMEngine(config)
-        layout = engine_layout(engine)
         loop = EngineLoop(engine, asyncio.get_running_loop(), faults=faults)
         loop.start()
-        transport = await start_transport(engine, layout, args)
+        transport = await start_transport(engine, args)
         worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-        state = WorkerState(role, worker_id, loop, layout, kv_address=transport.address,
+        state = WorkerState(role, worker_id, loop, kv_address=transport.address,
                             tracing=Tracing.start(f"splitserve-{role}", args.otlp_endpoint, worker_id),
                             transport=transport, faults=faults)
         loop.on_cache_events = state.cache_events.append
@@ -77,7 +74,7 @@ def run_worker(args: argparse.Namespace, role: str, make_servicer: MakeServicer,
             from services.discovery import Discovery
 
             discovery = peers.discovery = Discovery(args.redis_url, engine.model_id, peers, token=token,
-                                                    layout=layout.to_dict())
+                                                    layout=engine.kv_layout.to_dict())
             await discovery.refresh()
             discovery.start()
         if not peers.configured:

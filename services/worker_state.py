@@ -27,7 +27,6 @@ class WorkerState:
     role: str
     worker_id: str
     engine: EngineLoop
-    layout: KVLayout  # this worker's KV blocks (services/kv_layout.py), built once
     grpc_address: str = ""
     kv_address: str = ""  # the UCX listener's host:port (WorkerInfo.ucx_address, PrefillRequest.kv_address)
     metrics_url: str = ""
@@ -38,6 +37,11 @@ class WorkerState:
     draining: bool = False  # SIGTERM: finish what is here, take nothing new
     transport: KVTransport | None = None  # for its pending transfers
     faults: FaultHooks = field(default_factory=FaultHooks)  # tests only (services/fault_hooks.py)
+
+    @property
+    def layout(self) -> KVLayout:
+        """This worker's KV blocks (built once, by its engine)."""
+        return self.engine.engine.kv_layout
 
     def load(self) -> pb.LoadReport:
         eng = self.engine.engine

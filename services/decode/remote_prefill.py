@@ -29,7 +29,7 @@ from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
 from services.convert import logprobs_from_proto
 from services.decode.stats import DecodeStats
-from services.kv_layout import layout_to_proto
+from services.kv_layout import handoff_to_proto
 from services.tracing import now_ns
 from services.worker_state import WorkerState
 from services.worker_tracing import DecodeTrace
@@ -118,14 +118,10 @@ class RemotePrefill:
 
     def _prefill_request(self, handoff: KVHandoff, prompt_token_ids: list[int],
                          request: pb.WorkerGenerateRequest, kv_token: bytes) -> pb.PrefillRequest:
-        return pb.PrefillRequest(
-            request_id=handoff.request_id, prompt_token_ids=prompt_token_ids, sampling=request.sampling,
+        return handoff_to_proto(
+            handoff, prompt_token_ids=prompt_token_ids, sampling=request.sampling,
             priority=request.priority, cache_salt=request.cache_salt, kv_address=self.state.kv_address,
-            dst_block_ids=handoff.block_ids, first_block=handoff.first_block,
-            layout=layout_to_proto(self.state.layout), kv_token=kv_token,
-            resumed_output_tokens=request.resumed_output_tokens,
-            lora=None if handoff.lora is None else pb.LoRAAdapter(
-                name=handoff.lora.lora_name, path=handoff.lora.lora_path, digest=handoff.lora_digest))
+            kv_token=kv_token, resumed_output_tokens=request.resumed_output_tokens)
 
     async def _failed(self, request_id: str, prefill_address: str, landed: asyncio.Future[int],
                       err: BaseException, trace: DecodeTrace | None) -> None:

@@ -4,7 +4,6 @@ first (docs/ARCHITECTURE.md, invariants 2 and 3; remote_prefill.py), or locally 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -15,16 +14,11 @@ from engine.outputs import StepOutput
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
-from services.convert import (
-    logprobs_to_proto,
-    lora_from_proto,
-    prompt_logprobs_to_proto,
-    sampling_from_proto,
-)
+from services.convert import logprobs_to_proto, lora_from_proto, prompt_logprobs_to_proto
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, ReserveTimeout
 from services.decode.stats import DecodeStats
 from services.peers import KnownPeers
-from services.worker import WorkerRPCs, WorkerState, abort_with
+from services.worker import WorkerRPCs, WorkerState, abort_with, request_sampling
 from services.worker_tracing import DecodeTrace
 
 log = logging.getLogger(__name__)
@@ -60,16 +54,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         request_id = request.request_id or uuid.uuid4().hex
         loop = self.state.engine
         try:
-            params = sampling_from_proto(request.sampling)
+            params = await request_sampling(self.state, request.sampling)
             lora, lora_digest = lora_from_proto(request.lora if request.HasField("lora") else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
-        if params.guided is not None:  # compile (or find cached) here, not on the engine thread
-            try:
-                await asyncio.to_thread(loop.engine.grammars.compile, params.guided)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         q = loop.open_stream(request_id)
         finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold

@@ -11,14 +11,14 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from engine.kv_handoff import KVHandoff
+from kvtransfer.layout import LayoutMismatch
 from kvtransfer.transport import KVTransport
 from protos import pb, pb_grpc
-from services.convert import logprobs_to_proto, lora_from_proto, prompt_logprobs_to_proto, sampling_from_proto
-from services.kv_layout import layout_mismatch
+from services.convert import logprobs_to_proto, prompt_logprobs_to_proto
+from services.kv_layout import InvalidLayout, handoff_from_proto
 from services.peers import KnownDecodeListeners, KnownPeers
 from services.tracing import now_ns
-from services.worker import WorkerRPCs, WorkerState, abort_with
+from services.worker import WorkerRPCs, WorkerState, abort_with, request_sampling
 from services.worker_tracing import PrefillTrace
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,13 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: draining (shutting down); use another")
         loop = self.state.engine
-        mismatch = layout_mismatch(self.state.layout, request.layout)
-        if mismatch:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        try:
+            handoff = handoff_from_proto(request)  # the decode engine's, layout included
+            handoff.check_layout(self.state.layout)  # before any work (invariant 7)
+        except (InvalidLayout, LayoutMismatch) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not await self.decodes.knows(request.kv_address):  # before any work: push to no stranger
             self.stats.unknown_decode_refusals += 1
             log.warning("refused Prefill %s: kv_address %r is no known decode worker's",
@@ -60,23 +64,13 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                                 f"kv_address: {request.kv_address!r} is not the KV listener of a decode "
                                 "worker this prefill worker knows (its --decode flag or Redis registrations)")
         try:
-            params = sampling_from_proto(request.sampling)
+            params = await request_sampling(self.state, request.sampling)
             # Only token 1 is made here; min_tokens still bans EOS for it.
             params = replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            lora, lora_digest = lora_from_proto(request.lora if request.HasField("lora") else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        request_id = request.request_id
-        try:
-            handoff = KVHandoff(request_id, tuple(request.dst_block_ids), request.first_block)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = handoff.request_id
         ids = list(request.prompt_token_ids)
-        if params.guided is not None:  # compile (or find cached) here, not on the engine thread
-            try:
-                await asyncio.to_thread(loop.engine.grammars.compile, params.guided)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         trace = None
         if self.state.tracing.enabled:
             trace = PrefillTrace(self.state.tracing, context.invocation_metadata(),
@@ -92,7 +86,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServicer):
                                                         cache_salt=request.cache_salt or None,
                                                         hold_blocks=True,
                                                         num_resumed_tokens=request.resumed_output_tokens,
-                                                        lora=lora, lora_digest=lora_digest))
+                                                        lora=handoff.lora,
+                                                        lora_digest=handoff.lora_digest or None))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()

@@ -44,6 +44,7 @@ def remote_generate(prefill, decode, rid: str, prompt: str, params: SamplingPara
     handoff = decode.reserve_remote(rid, ids, params)
     assert handoff is not None
     assert list(handoff.block_ids) == decode.kv.block_ids(rid)  # the whole table, as the scheduler holds it
+    handoff.check_layout(prefill.kv_layout)  # the decode engine's layout travels with it
     p_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     prefill.add_request(rid, ids, p_params, hold_blocks=True)
     token = drain(prefill, rid, [])[0]

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from kvtransfer.layout import LayoutMismatch, check_compatible
-from services.kv_layout import engine_layout, layout_mismatch, layout_to_proto
+from services.kv_layout import handoff_from_proto, handoff_to_proto
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,16 @@ def test_new_weights_under_the_same_name_never_mix(two_versions: tuple[Path, Pat
     assert old.model_name == new.model_name
     assert old.model_id != new.model_id
     print(f"\nsame name, two weight versions: {old.model_id} vs {new.model_id}")
-    # The prefill's check of the decode's layout names the field.
-    mismatch = layout_mismatch(engine_layout(old), layout_to_proto(engine_layout(new)))
-    assert mismatch is not None and "model_id: local" in mismatch and "kv_cache_dtype" not in mismatch
+    # The prefill's check of the decode's handoff (as the Prefill RPC carries it) names the field.
+    handoff = new.reserve_remote("h", new.tokenize("a prompt"), SamplingParams(max_tokens=1))
+    assert handoff is not None and handoff.layout == new.kv_layout
+    with pytest.raises(LayoutMismatch) as info:
+        handoff_from_proto(handoff_to_proto(handoff)).check_layout(old.kv_layout)
+    assert "model_id: local" in str(info.value) and "kv_cache_dtype" not in str(info.value)
+    new.abort("h")
     # The UCX handshake refuses too.
     with pytest.raises(LayoutMismatch, match="model_id"):
-        check_compatible(engine_layout(old), engine_layout(new))
+        check_compatible(old.kv_layout, new.kv_layout)
     # Same prompt, no shared block hash (prefix index, prefix cache).
     ids = old.tokenize("The same prompt on two versions of the weights, long enough for blocks. " * 3)
     old_hashes, new_hashes = (set(eng.add_request("r", ids, SamplingParams(max_tokens=1))

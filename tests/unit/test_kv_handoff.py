@@ -14,26 +14,29 @@ import pytest
 
 from engine.kv_handoff import KVHandoff
 from engine.sampling_params import SamplingParams
+from kvtransfer.layout import KVLayout
 from protos import pb
 from services.decode.remote_prefill import RemotePrefill, ReserveTimeout
 from services.decode.stats import DecodeStats
 from services.engine_loop import EngineLoop
 
+LAYOUT = KVLayout("m", "float32", "float32", block_size=16, num_layers=1, num_kv_heads=1, head_dim=1)
+
 
 def test_handoff_sends_only_the_blocks_decode_lacks() -> None:
-    h = KVHandoff("r", (7, 3, 9, 4), first_block=2)
+    h = KVHandoff("r", (7, 3, 9, 4), first_block=2, layout=LAYOUT)
     assert h.blocks_to_fill == (9, 4)
     assert h.pair([10, 11, 12, 13]) == ([12, 13], [9, 4])
-    assert KVHandoff("r", (1, 2), 2).blocks_to_fill == ()  # all of it was a local prefix hit
+    assert KVHandoff("r", (1, 2), 2, LAYOUT).blocks_to_fill == ()  # all of it was a local prefix hit
 
 
 def test_handoff_refuses_tables_that_do_not_match() -> None:
     with pytest.raises(ValueError, match="dst_block_ids: 4 blocks for a prompt of 3"):
-        KVHandoff("r", (7, 3, 9, 4), 1).pair([1, 2, 3])
+        KVHandoff("r", (7, 3, 9, 4), 1, LAYOUT).pair([1, 2, 3])
     with pytest.raises(ValueError, match="first_block"):
-        KVHandoff("r", (7, 3), 3)
+        KVHandoff("r", (7, 3), 3, LAYOUT)
     with pytest.raises(ValueError, match="first_block"):
-        KVHandoff("r", (7, 3), -1)
+        KVHandoff("r", (7, 3), -1, LAYOUT)
 
 
 class ShortPool:
@@ -51,7 +54,7 @@ class ShortPool:
         if self.kv.num_free_blocks < self.need:
             return None
         self.kv.num_free_blocks -= self.need
-        return KVHandoff(request_id, tuple(range(self.need)), 0)
+        return KVHandoff(request_id, tuple(range(self.need)), 0, LAYOUT)
 
     def free(self, n: int) -> None:
         self.kv.num_free_blocks += n

@@ -7,11 +7,18 @@ import dataclasses
 import pytest
 import torch
 
+from engine.kv_handoff import KVHandoff
 from kvtransfer import wire
 from kvtransfer.channel import block_buffer
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
 from protos import pb
-from services.kv_layout import layout_from_proto, layout_mismatch, layout_to_proto
+from services.kv_layout import (
+    InvalidLayout,
+    handoff_from_proto,
+    handoff_to_proto,
+    layout_from_proto,
+    layout_to_proto,
+)
 
 SMOL = KVLayout("SmolLM2-135M-Instruct", "bfloat16", "bfloat16", block_size=16, num_layers=30,
                 num_kv_heads=3, head_dim=64)
@@ -45,8 +52,21 @@ def test_the_protobuf_layout_has_exactly_the_dataclass_fields() -> None:
     fp8 = dataclasses.replace(SMOL, kv_cache_dtype="float8_e5m2")
     assert {f.name for f in pb.KVLayout.DESCRIPTOR.fields} == {f.name for f in dataclasses.fields(KVLayout)}
     assert layout_from_proto(layout_to_proto(fp8)) == fp8
-    assert "kv_cache_dtype: local 'bfloat16' vs remote 'float8_e5m2'" in str(
-        layout_mismatch(SMOL, layout_to_proto(fp8)))
+    with pytest.raises(InvalidLayout, match="layout: .*model_id"):
+        layout_from_proto(pb.KVLayout())
+
+
+def test_the_handoff_carries_the_decode_layout_through_the_prefill_rpc() -> None:
+    """The Prefill RPC mirrors the decode engine's KVHandoff, layout included; the
+    prefill worker compares it with its own and names the field that differs."""
+    fp8 = dataclasses.replace(SMOL, kv_cache_dtype="float8_e5m2")
+    handoff = KVHandoff("r", (7, 3, 9), 1, fp8)
+    msg = handoff_to_proto(handoff, kv_token=b"t")
+    assert (list(msg.dst_block_ids), msg.first_block, msg.kv_token) == ([7, 3, 9], 1, b"t")
+    assert handoff_from_proto(msg) == handoff
+    handoff_from_proto(msg).check_layout(fp8)
+    with pytest.raises(LayoutMismatch, match="kv_cache_dtype: local 'bfloat16' vs remote 'float8_e5m2'"):
+        handoff_from_proto(msg).check_layout(SMOL)
 
 
 def test_layout_dict_round_trip_and_validation() -> None:
