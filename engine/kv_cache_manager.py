@@ -4,34 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import Block, BlockPool
+from engine.block_pool import Block
+from engine.block_tables import BlockTables
 from engine.request import Request
 from engine.vocab.cache_events import CacheEvent
 
 
-class KVCacheManager:
+class KVCacheManager(BlockTables):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        self.block_size = block_size
+        super().__init__(num_blocks, block_size, enable_caching)
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self._blocks: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached run of the request's leading full blocks.  At least
@@ -103,19 +88,14 @@ class KVCacheManager:
         hold none of them (rejected draft tokens).  Such blocks were never
         registered in the prefix cache: only blocks full of the request's
         accepted tokens are."""
-        blocks = self._blocks.get(req.request_id)
-        keep = self.blocks_needed(num_tokens)
-        if not blocks or len(blocks) <= keep:
-            return
-        assert self._num_hashed.get(req.request_id, 0) <= keep, "a cached block would be trimmed"
-        tail = blocks[keep:]
-        del blocks[keep:]
-        self.pool.free(reversed(tail))
+        # (never more blocks hashed than held: trimming or not, this is the check)
+        assert self._num_hashed.get(req.request_id, 0) <= self.blocks_needed(num_tokens), \
+            "a cached block would be trimmed"
+        self._trim_blocks(req.request_id, num_tokens)
 
     def free(self, req: Request) -> None:
-        blocks = self._blocks.pop(req.request_id, [])
         self._num_hashed.pop(req.request_id, None)
-        self.pool.free(reversed(blocks))
+        self._free_blocks(req.request_id)
 
     def take_events(self) -> list[CacheEvent]:
         return self.pool.take_events()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import Block, BlockPool
+from engine.block_tables import BlockTables
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -21,20 +21,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class DraftKVCache:
+class DraftKVCache(BlockTables):
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=False)
-        self._blocks: dict[str, list[Block]] = {}
+        super().__init__(num_blocks, block_size, enable_caching=False)
         self._tokens: dict[str, list[int]] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
 
     def tokens(self, request_id: str) -> list[int]:
         return self._tokens.get(request_id, [])
@@ -44,19 +34,14 @@ class DraftKVCache:
         toks = self._tokens.get(request_id)
         if toks is not None:
             del toks[num_tokens:]
-        blocks = self._blocks.get(request_id)
-        keep = -(-num_tokens // self.block_size)
-        if blocks and len(blocks) > keep:
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.pool.free(reversed(tail))
+        self._trim_blocks(request_id, num_tokens)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for num_tokens tokens -> the block table, or None when the
         pool is short (then nothing changes; the request just isn't proposed for)."""
         blocks = self._blocks.setdefault(request_id, [])
         self._tokens.setdefault(request_id, [])
-        need = -(-num_tokens // self.block_size) - len(blocks)
+        need = self.blocks_needed(num_tokens) - len(blocks)
         if need > self.pool.num_free_blocks:
             return None
         if need > 0:
@@ -68,7 +53,4 @@ class DraftKVCache:
 
     def free(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
-        self.pool.free(reversed(self._blocks.pop(request_id, [])))
-
-    def request_ids(self) -> list[str]:
-        return list(self._blocks)
+        self._free_blocks(request_id)
