@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,9 @@ class SendFault:
     # True: time.sleep, like a hung process (the event loop freezes, UCX's thread runs on);
     # False: asyncio.sleep, like a slow producer (a timeout still interrupts it).
     freeze_loop: bool = False
+    # The stall itself, instead of sleeping stall_s (e.g. until a test releases it):
+    # called with this fault and an event set once the send is stopped from outside.
+    wait: Callable[[SendFault, asyncio.Event], Awaitable[None]] | None = None
 
 
 @dataclass(eq=False)
@@ -241,6 +244,9 @@ async def _drain(inflight: set[asyncio.Future[None]], limit: int) -> None:
 
 
 async def _stall(fault: SendFault, attempt: _Attempt) -> None:
+    if fault.wait is not None:
+        await fault.wait(fault, attempt.stopped)
+        return
     if fault.freeze_loop:
         time.sleep(fault.stall_s)
         return

@@ -1,13 +1,14 @@
 """The fault-injection seam: the few points where a test makes a worker
-misbehave in ways it cannot cause from outside (an engine bug, a hung KV
-sender).  Product code only calls these hooks; the faults live in tests/
+misbehave in ways it cannot cause from outside (an engine bug, a slow or hung
+KV sender).  Product code only calls these hooks; the faults live in tests/
 (tests/faults.py).
 
     SPLITSERVE_FAULT_PLUGIN=module:function
 
 names a function `function(hooks: FaultHooks, role: str) -> None` that a
-starting worker calls once, before its engine thread starts, to set the hooks
-it wants.  Unset (every real deployment): no hooks, nothing is imported.
+starting worker calls once, before its engine thread and its KV transport
+start, to set the hooks it wants.  It is the one way tests rig a worker.
+Unset (every real deployment): no hooks, nothing is imported.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtransfer.sender import SendFault
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,9 @@ class FaultHooks:
     # Prefill worker, on the event loop, once a prompt is computed and before its
     # KV is sent (argument: the request id): a slow or hung sender.
     before_kv_send: Callable[[str], Awaitable[None]] | None = None
+    # Prefill worker's UCX sender, in the middle of each transfer: kvtransfer's own
+    # test seam (a stall after some blocks have moved), set on its transport.
+    kv_send: SendFault | None = None
 
 
 def load_fault_hooks(role: str, environ: Mapping[str, str] = os.environ) -> FaultHooks:

@@ -63,6 +63,8 @@ def run_worker(args: argparse.Namespace, role: str, make_servicer: MakeServicer,
         loop = EngineLoop(engine, asyncio.get_running_loop(), faults=faults)
         loop.start()
         transport = await start_transport(engine, args)
+        if faults.kv_send is not None:
+            transport.fault = faults.kv_send
         worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         state = WorkerState(role, worker_id, loop, kv_address=transport.address,
                             tracing=Tracing.start(f"splitserve-{role}", args.otlp_endpoint, worker_id),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -128,16 +127,6 @@ def start_pair(tmp: Path, prefill_flags: Sequence[str] = (),
     """One prefill worker p0 and one decode worker d0 that know each other; ready."""
     procs = start_peers(tmp, {"p0": prefill_flags, "d0": decode_flags})
     return procs["p0"], procs["d0"]
-
-
-FAULT_PLUGIN = ROOT / "tests" / "faultplugin"
-
-
-def fault_env(signals: Path, **faults: object) -> dict[str, str]:
-    """The environment of a worker with tests/faultplugin's faults (its
-    docstring lists them); the plugin writes its signals under `signals`."""
-    path = os.pathsep.join(p for p in (str(FAULT_PLUGIN), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "SPLITSERVE_TEST_FAULTS": json.dumps({"dir": str(signals), **faults})}
 
 
 def wait_for_file(path: Path, timeout: float, proc: Proc | None = None) -> str:

@@ -1,5 +1,5 @@
 """Faults inside a KV transfer (issue 13, docs/ARCHITECTURE.md invariants 3, 4, 6): the
-prefill worker's sender stalls after some blocks have moved (tests/faultplugin,
+prefill worker's sender stalls after some blocks have moved (tests/faults.py,
 which writes a signal file when it stalls and counts the blocks each decode
 worker received), and then:
 
@@ -27,7 +27,8 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import FrontendProc, Proc, Stream, fault_env, start_peers, wait_for_file
+from ..faults import kv_transfer_fault_env
+from .procs import FrontendProc, Proc, Stream, start_peers, wait_for_file
 from .test_failover import frontend_counter, health, wait_until
 from .test_worker_faults import first_report
 
@@ -39,7 +40,7 @@ LATER = "A later request: the baker, the smith and the weaver each told their st
 
 @dataclass
 class Stalls:
-    """One worker's fault signals (see tests/faultplugin)."""
+    """One worker's fault signals (see tests/faults.py, kv_transfer_fault_env)."""
 
     dir: Path
     proc: Proc
@@ -86,7 +87,7 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict[str, Proc], dict[str, Stall
         # Few blocks: a later request must reuse those of a cancelled transfer.
         "d0": ["--num-blocks", "16", *decode],
         "d1": ["--num-blocks", "64", *decode],
-    }, env={name: fault_env(tmp / name, **f) for name, f in faults.items()})
+    }, env={name: kv_transfer_fault_env(tmp / name, **f) for name, f in faults.items()})
     try:
         yield procs, {name: Stalls(tmp / name, procs[name]) for name in faults}
     finally:
