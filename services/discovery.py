@@ -27,7 +27,6 @@ until every worker's next refresh, and that is no reason to drop them all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.aio_tasks import cancel_and_wait
 from services.secret_env import redis_password
 
 if TYPE_CHECKING:
@@ -159,10 +159,7 @@ class Registration:
 
     async def stop(self) -> None:
         """Deregister at once, so that frontends stop routing here before the server stops."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(self.key)
@@ -277,8 +274,5 @@ class Discovery:
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self.redis.aclose()

@@ -1,8 +1,10 @@
-"""--help that shows every flag's default next to what the flag does."""
+"""What every command's flags share: --help that shows each flag's default next to
+what it does, --host, and flags given again as argv (for a process `up` starts)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -32,3 +34,14 @@ def add_host_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     """--host, the same for every command: loopback unless told otherwise."""
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"address {listener} listens on (0.0.0.0: every interface)")
+
+
+def given_argv(args: argparse.Namespace, dests: Iterable[str], switches: Iterable[str] = ()) -> list[str]:
+    """The flags among `dests` that were given a value (not None) and the `switches`
+    (store_true flags) that are on, as argv again: what `up` passes to a process."""
+    out: list[str] = []
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [f"--{dest.replace('_', '-')}", str(value)]
+    return out + [f"--{dest.replace('_', '-')}" for dest in switches if getattr(args, dest, False)]

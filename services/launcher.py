@@ -22,8 +22,15 @@ from pathlib import Path
 from services.affinity import format_cpu_list, plan_affinity, usable_cpus
 from services.cluster_auth import ENV as CLUSTER_TOKEN_ENV
 from services.cluster_auth import add_cluster_token_arg, cluster_token, new_token
-from services.frontend.config import API_KEY_ENV, add_security_args, api_keys, check_security
-from services.help_format import add_host_arg
+from services.frontend.config import (
+    API_KEY_ENV,
+    ROUTING_POLICIES,
+    add_security_args,
+    api_keys,
+    check_security,
+)
+from services.frontend.config import DEFAULTS as FRONTEND_DEFAULTS
+from services.help_format import add_host_arg, given_argv
 from services.lora_flags import add_lora_args, lora_argv, lora_config_from_args
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
@@ -40,14 +47,7 @@ ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "kv
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    out: list[str] = []
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    return out
+    return given_argv(args, ENGINE_FLAGS, switches=("no_prefix_caching",))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -198,10 +198,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill", type=int, default=1, help="prefill workers")
     g.add_argument("--decode", type=int, default=1, help="decode workers")
     add_host_arg(g, "every service")
-    g.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
-    g.add_argument("--grpc-port", type=int, default=50051, help="the frontend's gRPC port")
+    g.add_argument("--port", type=int, default=FRONTEND_DEFAULTS.port, help="REST (OpenAI) port")
+    g.add_argument("--grpc-port", type=int, default=FRONTEND_DEFAULTS.grpc_port,
+                   help="the frontend's gRPC port")
     g.add_argument("--redis-url", default=None, help="Redis for the prefix index (default: embedded)")
-    g.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
+    g.add_argument("--routing", default=FRONTEND_DEFAULTS.routing, choices=ROUTING_POLICIES,
                    help="how the frontend picks workers (kv-aware: where the prompt's prefix is cached)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     g.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,

@@ -11,6 +11,7 @@ import argparse
 import json
 
 from engine.config import SPECULATIVE_METHODS, SpeculativeConfig
+from services.help_format import given_argv
 
 # flag dest -> SpeculativeConfig field
 FLAG_FIELDS = {
@@ -61,13 +62,4 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
     """The speculative flags as given, to pass on to a decode worker."""
-    out: list[str] = []
-    for dest in FLAG_FIELDS:
-        value = getattr(args, dest, None)
-        if value is not None:
-            out += [f"--{dest.replace('_', '-')}", str(value)]
-    if getattr(args, "no_adaptive_speculation", False):
-        out.append("--no-adaptive-speculation")
-    if getattr(args, "speculative_config", None):
-        out += ["--speculative-config", args.speculative_config]
-    return out
+    return given_argv(args, (*FLAG_FIELDS, "speculative_config"), switches=("no_adaptive_speculation",))

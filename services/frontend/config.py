@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 from engine.vocab.lora_request import LoRAConfig
 from services.cluster_auth import add_cluster_token_arg, cluster_token
@@ -16,6 +17,7 @@ from services.secret_env import secret_from_env
 from services.tracing import add_tracing_args
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
+ROUTING_POLICIES = ("kv-aware", "round-robin", "random", "load")  # how prefill workers are picked
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class FrontendConfig:
     log_level: str = "info"
     # The cluster prefix index: embedded (fed by the workers' load streams) or Redis.
     redis_url: str | None = None
-    routing: str = "kv-aware"  # kv-aware | round-robin | random | load
+    routing: str = ROUTING_POLICIES[0]
     queue_weight: float = 1.0  # kv-aware: prefill queue cost per block, in blocks of recompute
     request_cost: float = 2.0  # kv-aware: fixed cost of one queued prefill request, in blocks
     max_migrations: int = 1  # times one stream may resume on another decode worker mid-generation
@@ -78,8 +80,8 @@ class FrontendConfig:
                 raise ValueError(f"worker address {address!r} is not host:port")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold: must be >= 0")
-        if self.routing not in ("kv-aware", "round-robin", "random", "load"):
-            raise ValueError(f"routing: must be kv-aware, round-robin, random or load, got {self.routing!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError("max_migrations: must be >= 0")
         for name in ("max_waiting_requests", "max_waiting_prompt_tokens", "max_requests_per_tenant",
@@ -131,12 +133,16 @@ def api_keys(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, 
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+# The flags' defaults are the config's own: written once, in FrontendConfig.
+DEFAULTS = SimpleNamespace(**{f.name: f.default for f in fields(FrontendConfig)})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.frontend", formatter_class=DefaultsHelpFormatter,
                                 description="splitserve frontend: OpenAI REST + gRPC, tokenizer, router")
     add_host_arg(p, "the frontend (REST and gRPC)")
-    p.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC Frontend.Generate port")
+    p.add_argument("--port", type=int, default=DEFAULTS.port, help="REST (OpenAI) port")
+    p.add_argument("--grpc-port", type=int, default=DEFAULTS.grpc_port, help="gRPC Frontend.Generate port")
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file, for the tokenizer "
                         "(default: SmolLM2-135M-Instruct)")
@@ -144,51 +150,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=_addresses, default=(),
                    help="decode workers: host:port[,host:port...] (none: discover them, see --redis-url)")
     p.add_argument("--prefill", type=_addresses, default=(), help="prefill workers: host:port[,host:port...]")
-    p.add_argument("--local-prefill-threshold", type=int, default=64,
+    p.add_argument("--local-prefill-threshold", type=int, default=DEFAULTS.local_prefill_threshold,
                    help="prompts with fewer tokens are prefilled on the decode worker")
-    p.add_argument("--worker-wait", type=float, default=120.0,
+    p.add_argument("--worker-wait", type=float, default=DEFAULTS.worker_wait_seconds,
                    help="seconds startup waits for the workers to answer Info")
-    p.add_argument("--load-interval", type=float, default=0.2, help="WatchLoad report interval, seconds")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (REST and gRPC)")
-    p.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
-    p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one /v1/completions request")
-    p.add_argument("--max-choices", type=int, default=256,
+    p.add_argument("--load-interval", type=float, default=DEFAULTS.load_interval_seconds,
+                   help="WatchLoad report interval, seconds")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
+                   help="largest request body (REST and gRPC)")
+    p.add_argument("--max-n", type=int, default=DEFAULTS.max_n, help="largest n a request may ask for")
+    p.add_argument("--max-prompts", type=int, default=DEFAULTS.max_prompts,
+                   help="most prompts in one /v1/completions request")
+    p.add_argument("--max-choices", type=int, default=DEFAULTS.max_choices,
                    help="most choices (prompts x n) in one request; admission counts each as a request")
-    p.add_argument("--max-prompt-chars", type=int, default=0,
+    p.add_argument("--max-prompt-chars", type=int, default=DEFAULTS.max_prompt_chars,
                    help="longest prompt (or chat messages together) in characters, checked before "
                         "tokenizing (0: 16 x the workers' max_model_len)")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_seconds,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+    p.add_argument("--log-level", default=DEFAULTS.log_level, choices=["debug", "info", "warning", "error"],
                    help="least severe log line printed")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cluster prefix index (default: embedded in this process); "
                         "without --decode/--prefill, also where workers register (discovery)")
-    p.add_argument("--discovery-interval", type=float, default=1.0,
+    p.add_argument("--discovery-interval", type=float, default=DEFAULTS.discovery_interval_seconds,
                    help="seconds between reads of the workers' Redis registrations")
-    p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin", "random", "load"],
+    p.add_argument("--routing", default=DEFAULTS.routing, choices=ROUTING_POLICIES,
                    help="how prefill workers are picked (decode workers: by load)")
-    p.add_argument("--queue-weight", type=float, default=1.0,
+    p.add_argument("--queue-weight", type=float, default=DEFAULTS.queue_weight,
                    help="kv-aware: cost of one block of queued prefill, in blocks of recompute")
-    p.add_argument("--request-cost", type=float, default=2.0,
+    p.add_argument("--request-cost", type=float, default=DEFAULTS.request_cost,
                    help="kv-aware: what one queued prefill request costs whatever its cache hit "
                         "(a step, sampling, sending its KV), in blocks of recompute")
-    p.add_argument("--max-waiting-requests", type=int, default=256,
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,
                    help="requests admitted and still waiting for their first token; past it: 429 "
                         "(0: no limit)")
-    p.add_argument("--max-waiting-prompt-tokens", type=int, default=0,
+    p.add_argument("--max-waiting-prompt-tokens", type=int, default=DEFAULTS.max_waiting_prompt_tokens,
                    help="prompt tokens of the waiting requests; past it: 429 (0: no limit)")
-    p.add_argument("--max-requests-per-tenant", type=int, default=0,
+    p.add_argument("--max-requests-per-tenant", type=int, default=DEFAULTS.max_requests_per_tenant,
                    help="concurrent requests per API key (or `user` field); past it: 429 (0: no limit)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=DEFAULTS.request_timeout_seconds,
                    help="seconds a request may take in all; past it, it is aborted everywhere (0: none; "
                         "per request: header X-Request-Timeout or a gRPC deadline)")
     add_security_args(p)
-    p.add_argument("--max-migrations", type=int, default=1,
+    p.add_argument("--max-migrations", type=int, default=DEFAULTS.max_migrations,
                    help="times a stream may resume on another decode worker when its own dies mid-stream "
                         "(0: fail the request instead)")
     add_cluster_token_arg(p)
-    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+    p.add_argument("--tool-call-parser", default=DEFAULTS.tool_call_parser, choices=sorted(PARSERS),
                    help="how tool calls are read out of chat output: hermes (<tool_call>{json}</tool_call>, "
                         "Hermes / Qwen) or llama3_json (Llama 3 JSON); default: %(default)s")
     add_lora_args(p)
@@ -203,7 +212,7 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
                         f"{API_KEY_ENV}, comma-separated, which `ps` does not show; none: no authentication")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve REST and gRPC over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--cache-isolation", default="none", choices=["none", "tenant"],
+    p.add_argument("--cache-isolation", default=DEFAULTS.cache_isolation, choices=["none", "tenant"],
                    help="tenant: each API key gets its own prefix-cache namespace (no shared blocks, "
                         "no cached_tokens or timing across keys)")
 

@@ -15,6 +15,7 @@ import grpc
 from engine.vocab.cache_events import CacheEvent
 from engine.vocab.hashing import cache_model_key
 from protos import pb, pb_grpc
+from services.aio_tasks import cancel_and_wait
 from services.cluster_auth import aio_channel
 from services.frontend.router import WorkerLoad
 from services.index.base import IndexUnavailable, PrefixIndex
@@ -105,10 +106,7 @@ class Worker:
         self._task = asyncio.create_task(self._watch(), name=f"watch {self.role} {self.address}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self.channel.close(grace=None)
 
     async def _watch(self) -> None:
