@@ -59,8 +59,6 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
-        q = loop.open_stream(request_id)
-        finished = False
         remote = bool(request.prefill_address) and len(ids) >= self.threshold
         if remote and not await self.prefills.knows(request.prefill_address):
             self.stats.unknown_prefill_refusals += 1
@@ -69,6 +67,10 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"prefill_address: {request.prefill_address!r} is not a prefill worker this "
                                 "decode worker knows (its --prefill flag or Redis registrations)")
+        # Opened only once refusals are behind: the `finally` below closes it, and a
+        # stream left open counts as in flight forever (a SIGTERM drain waits for it).
+        q = loop.open_stream(request_id)
+        finished = False
         timings: dict[str, float] = {}
         clock = self.state.metrics.clock(len(ids)) if self.state.metrics is not None else None
         trace = None

@@ -68,6 +68,17 @@ class Proc:
         terminate(self.popen, 20)
 
 
+def stop_all(procs: Iterable[Proc]) -> None:
+    """Stop several workers at once: SIGTERM to all, then wait for each (their
+    shutdowns overlap instead of adding up)."""
+    procs = list(procs)
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()
+
+
 def terminate(popen: subprocess.Popen[bytes], timeout: float) -> None:
     """SIGTERM, then SIGKILL after `timeout` seconds."""
     if popen.poll() is None:

@@ -20,7 +20,7 @@ from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
 from ..faults import fault_env
-from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
+from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker, stop_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [f"Request number {i}: describe the weather in a city you like, in detail. " * 3 for i in range(6)]
@@ -55,8 +55,7 @@ def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
             p.wait_ready()
         yield procs
     finally:
-        for p in procs.values():
-            p.stop()
+        stop_all(procs.values())
 
 
 def start_victim(tmp, port: int, decodes: list[str]) -> Proc:  # type: ignore[no-untyped-def]

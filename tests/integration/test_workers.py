@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import start_pair
+from .procs import start_pair, stop_all
 
 THRESHOLD = 32
 PROMPTS = [
@@ -29,8 +29,7 @@ def workers(tmp_path_factory):  # type: ignore[no-untyped-def]
     try:
         yield list(procs)
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module")
