@@ -10,8 +10,9 @@ with one tensor changed (same name, another digest in model_id).  Then:
     retry replaced) equals, or starts, the undisturbed v1 or v2 output for its
     prompt, and both versions served during the roll;
   - a v2 decode never takes KV from a v1 prefill: asked to, the prefill refuses
-    at the layout check (model_id), no byte moves, the decode counts a failed
-    transfer and prefills itself;
+    at the layout check (model_id), no byte moves, the decode counts a layout
+    refusal (kv_layout_refusals) and prefills itself; left to the frontend, no
+    decode ever meets a prefill of the other version;
   - afterwards every block on every worker is free.
 """
 
@@ -150,6 +151,7 @@ def refused_at_handshake(d0: Proc, p0: Proc) -> None:
     assert [t for c in chunks for t in c.token_ids]  # served all the same
     after = counters(d0)
     assert after["kv_transfer_failures"] == before["kv_transfer_failures"] + 1
+    assert after["kv_layout_refusals"] == before["kv_layout_refusals"] + 1
     assert after["kv_bytes_received"] == before["kv_bytes_received"] == 0
     assert MISMATCH in d0.tail(20000), d0.tail()
 
@@ -191,9 +193,11 @@ def test_rolling_update_under_streaming_load(model_dir: Path, tmp_path: Path) ->
             # (v2).  (A transfer may fail when the frontend routes to p0 in the
             # instant it exits: the decode prefills itself, a counted failure.)
             if name == "p0":
-                assert counters(procs["d0"])["kv_bytes_received"] == 0
-                assert counters(procs["d0"])["kv_transfer_failures"] == 1
+                seen = counters(procs["d0"])
+                assert seen["kv_bytes_received"] == 0
+                assert seen["kv_transfer_failures"] == seen["kv_layout_refusals"] == 1
             if name == "d1":
+                assert counters(procs["d1"])["kv_layout_refusals"] == 0
                 assert MISMATCH not in procs["d1"].tail(10**7)
             proc.stop()
             assert proc.popen.returncode == 0, proc.tail()  # drained, then exited cleanly
