@@ -17,7 +17,12 @@ without calibrated scales), not per block and head, because
     is, and two workers agree on the encoding by construction (the dtype in
     the layout handshake says it all);
   - a decode appends to its last block one token at a time: per-block scales
-    would have to grow, and re-quantize the block, as larger values arrive.
+    would have to grow, and re-quantize the block, as larger values arrive;
+  - measured, finer scales buy nothing: scales per token and head (absmax to
+    448, finer than per block and head, so a bound on what those could give)
+    agree with a float32 cache on 97.40% of greedy choices, as this per-tensor
+    scale does (tests/integration/test_kv_fp8_model.py: the misses are
+    near-ties, as bfloat16 compute's are).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampler import SampledToken
 from engine.vocab.lora_request import LoRARequest
 from engine.vocab.sampling_params import SamplingParams
+from kvtransfer.layout import LayoutMismatch
 from kvtransfer.transport import KVTransport
 from kvtransfer.wire import new_transfer_token
 from protos import pb, pb_grpc
@@ -129,6 +130,8 @@ class RemotePrefill:
         if landed.done() and not landed.cancelled():
             landed.exception()  # retrieved: the failure is reported below
         self.stats.kv_transfer_failures += 1
+        if _layout_refused(err):
+            self.stats.kv_layout_refusals += 1
         log.warning("remote prefill of %s via %s failed: %s", request_id, prefill_address, err)
         if trace is not None:
             trace.kv_failed(str(err), recompute=self.failure_policy != "fail")
@@ -138,3 +141,12 @@ class RemotePrefill:
         # Aborted meanwhile (Abort RPC): the request is gone and its stream holds the error.
         await self.state.engine.call(lambda e: e.remote_kv_failed(request_id)
                                      if request_id in e.scheduler.requests else None)
+
+
+def _layout_refused(err: BaseException) -> bool:
+    """The prefill worker's layout check (kvtransfer.layout.LayoutMismatch, sent
+    back as FAILED_PRECONDITION) or the UCX handshake refused this worker's layout."""
+    if isinstance(err, LayoutMismatch):
+        return True
+    return (isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and (err.details() or "").startswith("KV layout mismatch"))

@@ -10,6 +10,9 @@ class DecodeStats:
     remote_prefills: int = 0
     local_prefills: int = 0
     kv_transfer_failures: int = 0
+    # Of those, refused for this worker's KV layout (another weights version,
+    # dtype or block size: a rolling update halfway, or a misconfiguration).
+    kv_layout_refusals: int = 0
     kv_transfer_recomputes: int = 0
     kv_bytes_received: int = 0
     waits_for_blocks: int = 0  # reservations that found the pool short and waited for blocks to free

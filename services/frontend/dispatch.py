@@ -22,7 +22,7 @@ from services.frontend.loras import LoRAEntry
 from services.frontend.metrics import Metrics
 from services.frontend.prepare import Plan
 from services.frontend.results import Event
-from services.frontend.router import Router, RouteRequest
+from services.frontend.router import Route, Router, RouteRequest
 from services.frontend.worker_pool import Worker, WorkerPool
 from services.tracing import now_ns
 
@@ -118,15 +118,18 @@ class Dispatcher:
         the first token: try once more on another.  One that dies or stops
         answering mid-stream: resume there with the prompt plus the tokens
         already relayed (at most `max_migrations` times), so the client's
-        stream goes on with no token lost or repeated."""
+        stream goes on with no token lost or repeated.  A stream resumes only
+        on a worker with the same weights (model_key): during a rolling update
+        no stream carries tokens of two versions; none left: the error."""
         tried: list[str] = []
         relayed: list[int] = []  # this choice's tokens the client has
         attempts = migrations = 0
         current = job
+        model_key: str | None = None  # the weights the relayed tokens came from
         while True:
             attempts += 1
             decode, prefill, prefill_tokens = self._route(current, exclude=tried, trace=trace,
-                                                          attempt=attempts)
+                                                          attempt=attempts, model_key=model_key)
             tried.append(decode.address)
             try:
                 async for msg in self._call_worker(decode, prefill, current, trace, prefill_tokens):
@@ -139,7 +142,9 @@ class Dispatcher:
                 self.metrics.worker_failures.labels(decode.worker_id, e.error.code or "error").inc()
                 if trace is not None:
                     trace.worker_failed(decode, e.error.code or "error", e.error.message)
-                if not e.retryable or not self.pool.healthy("decode", exclude=tried):
+                if relayed:
+                    model_key = decode.model_key
+                if not e.retryable or not self.pool.healthy("decode", exclude=tried, model_key=model_key):
                     raise e.error from None
                 if not relayed:
                     if attempts >= MAX_ATTEMPTS:
@@ -165,20 +170,27 @@ class Dispatcher:
                 current = resumed
 
     def _route(self, job: Job, exclude: list[str], trace: RequestTrace | None = None,
-               attempt: int = 1) -> tuple[Worker, Worker | None, int]:
-        """(decode worker, prefill worker or None, prompt tokens the prefill worker will compute)."""
+               attempt: int = 1, model_key: str | None = None) -> tuple[Worker, Worker | None, int]:
+        """(decode worker, prefill worker or None, prompt tokens the prefill worker will compute).
+        model_key: only decode workers with these weights (a migrating stream's)."""
         start_ns = now_ns() if trace is not None else 0
-        decodes = self.pool.healthy("decode", exclude=exclude)
+        decodes = self.pool.healthy("decode", exclude=exclude, model_key=model_key)
         prefills = self.pool.healthy("prefill")
-        route = self.router.route(RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt,
-                                               job.lora.digest if job.lora else ""),
-                                  [w.snapshot() for w in decodes], [w.snapshot() for w in prefills])
+        request = RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt,
+                               job.lora.digest if job.lora else "")
+        route = self.router.route(request, [w.snapshot() for w in decodes], [w.snapshot() for w in prefills])
         if route is None:
             if trace is not None:
                 trace.route(start_ns, attempt, None, None, len(job.prompt_token_ids))
             raise errors.no_worker()
-        prefill = self.pool.prefills.get(route.prefill) if route.prefill else None
         decode = self.pool.decodes[route.decode]
+        prefill = self.pool.prefills.get(route.prefill) if route.prefill else None
+        if prefill is not None and prefill.model_key != decode.model_key:
+            # Mid-rollout: the pair would refuse each other's KV (layout check).
+            # Route again among the decode's own version (none: it prefills itself).
+            same = [w.snapshot() for w in prefills if w.model_key == decode.model_key]
+            route = self.router.route(request, [decode.snapshot()], same) or Route(decode.address)
+            prefill = self.pool.prefills.get(route.prefill) if route.prefill else None
         for w in (decode, prefill):
             if w is not None:
                 w.routed += 1

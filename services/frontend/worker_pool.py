@@ -77,6 +77,17 @@ class Worker:
         """Alive and taking new requests (not draining)."""
         return self.alive and not (self.load is not None and self.load.draining)
 
+    @property
+    def model_key(self) -> str | None:
+        """What this worker computes with: its weights' digest (in model_id),
+        dtype and KV dtype (None until it has said).  Workers whose keys differ
+        (a rolling update halfway) never pair for a KV transfer, and a stream
+        that migrates moves only to a worker with its key."""
+        lay = self.info.layout if self.info is not None else None
+        if lay is None or lay.block_size <= 0:
+            return None
+        return cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype)
+
     def mark_down(self) -> None:
         """A call failed in a way that says the worker is gone; the watch loop
         marks it up again on its next report."""
@@ -225,9 +236,8 @@ class WorkerPool:
     def layout(self) -> tuple[int, str] | None:
         """(block size, the model's key in block hashes) as the workers reported them."""
         for w in self.all:
-            if w.info is not None and w.info.layout.block_size > 0:
-                lay = w.info.layout
-                return lay.block_size, cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype)
+            if w.info is not None and w.model_key is not None:
+                return w.info.layout.block_size, w.model_key
         return None
 
     @property
@@ -276,10 +286,12 @@ class WorkerPool:
         if all(other.worker_id != w.worker_id for other in self.all):  # not back at a new address
             await w._forget_in_index()
 
-    def healthy(self, role: Role, exclude: Iterable[str] = ()) -> list[Worker]:
+    def healthy(self, role: Role, exclude: Iterable[str] = (), model_key: str | None = None) -> list[Worker]:
+        """model_key: only workers computing with it (Worker.model_key); None: any."""
         skip = set(exclude)
         workers = self.decodes if role == "decode" else self.prefills
-        return [w for a, w in workers.items() if a not in skip and w.healthy]
+        return [w for a, w in workers.items()
+                if a not in skip and w.healthy and (model_key is None or w.model_key == model_key)]
 
     def max_model_len(self) -> int | None:
         """The smallest max_model_len any worker reported (they should agree)."""

@@ -103,6 +103,28 @@ def test_prefix_cache_keys_blocks_by_adapter(tiny) -> None:  # type: ignore[no-u
     assert llm.generate(prompt, params)[0].num_cached_tokens == 32
 
 
+def test_a_new_adapter_version_shares_no_block(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The adapter's digest (config and weights), not its name or path, keys its
+    blocks: new weights written over the same path, reloaded under the same
+    name, hit none of the old version's blocks, and a caller that expects the
+    old digest (a decode worker's, sent to a prefill worker) is refused."""
+    base, _ = tiny
+    path = make_adapter(base, tmp_path / "ad", 7, **ADAPTERS["qv"])
+    llm = LLM(model=str(base), dtype="float32", num_blocks=64, num_threads=2, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    eng, lora = llm.engine, LoRARequest("ad", str(path))
+    old = eng.load_lora(lora)
+    prompt, params = list(range(3000, 3040)), SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, params, lora_request=lora)
+    assert llm.generate(prompt, params, lora_request=lora)[0].num_cached_tokens == 32
+    make_adapter(base, path, 8, **ADAPTERS["qv"])  # version 2, same name and path
+    new = eng.load_lora(lora)
+    assert new != old
+    assert llm.generate(prompt, params, lora_request=lora)[0].num_cached_tokens == 0
+    with pytest.raises(ValueError, match=f"has digest {new}, the caller's has {old}"):
+        eng.lora_adapter(lora, old)
+
+
 def test_load_unload_and_errors(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     base, adapters = tiny
     llm = LLM(model=str(base), dtype="float32", num_blocks=64, num_threads=2, enable_lora=True,

@@ -13,25 +13,31 @@ from kvtransfer.layout import LayoutMismatch, check_compatible
 from services.kv_layout import handoff_from_proto, handoff_to_proto
 
 
-@pytest.fixture(scope="module")
-def two_versions(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """old/<name>: the model as it is; new/<name>: the same files but one weight
-    nudged (a fine-tune deployed under the same name)."""
+def nudged_copy(model_dir: Path, root: Path, tensor: str, factor: float) -> Path:
+    """root/<name>: the model's files, but the weight whose name ends in
+    `tensor` scaled by `factor` (a fine-tune deployed under the same name)."""
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("versions")
-    old, new = root / "old" / model_dir.name, root / "new" / model_dir.name
-    old.parent.mkdir()
-    old.symlink_to(model_dir, target_is_directory=True)
+    new = root / model_dir.name
     new.mkdir(parents=True)
     for f in model_dir.iterdir():
         if f.name != "model.safetensors":
             (new / f.name).symlink_to(f)
     state = load_file(str(model_dir / "model.safetensors"))
-    name = next(k for k in state if k.endswith("layers.0.self_attn.k_proj.weight"))
-    state[name] = state[name] * 1.001
+    name = next(k for k in state if k.endswith(tensor))
+    state[name] = state[name] * factor
     save_file(state, str(new / "model.safetensors"), metadata={"format": "pt"})
-    return old, new
+    return new
+
+
+@pytest.fixture(scope="module")
+def two_versions(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """old/<name>: the model as it is; new/<name>: one weight nudged."""
+    root = tmp_path_factory.mktemp("versions")
+    old = root / "old" / model_dir.name
+    old.parent.mkdir()
+    old.symlink_to(model_dir, target_is_directory=True)
+    return old, nudged_copy(model_dir, root / "new", "layers.0.self_attn.k_proj.weight", 1.001)
 
 
 def test_new_weights_under_the_same_name_never_mix(two_versions: tuple[Path, Path]) -> None:
