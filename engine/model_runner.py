@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -108,12 +109,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     panels = load_packed(cache) if kernel is not None else None
     int4: dict[str, Int4Weight] = {}
     int4_only = False
-    if panels is None:  # a 4-bit checkpoint's layers, or a GGUF's 4-bit tensors
-        int4, int4_only = int4_layers(model, config, tensors, gguf_source(model_dir))
+    if panels is None:  # a 4-bit checkpoint's layers, or (for the kernel) a GGUF's 4-bit tensors
+        gguf = gguf_source(model_dir) if kernel is not None else None
+        int4, int4_only = int4_layers(model, config, tensors, gguf)
     if kernel is None:  # no 4-bit kernel: float weights throughout
-        for path, w in int4.items() if int4_only else ():
-            model.get_submodule(path).weight.data.copy_(w.dequantize())
-        model.load_hf_state_dict(tensors, skip_linears=int4 if int4_only else ())
+        with torch.no_grad():
+            for path, w in int4.items():
+                cast(torch.nn.Linear, model.get_submodule(path)).weight.copy_(w.dequantize())
+        model.load_hf_state_dict(tensors, skip_linears=int4)
         return model.to(device).eval()
     model.load_hf_state_dict(tensors, skip_linear_weights=panels is not None,
                              skip_linears=int4 if int4_only else ())

@@ -135,7 +135,7 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 def byte_tokens() -> list[str]:
     """GPT-2's byte-to-character map: 256 tokens, one per byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     cs, extra = bs[:], 0
     for b in range(256):
         if b not in bs:

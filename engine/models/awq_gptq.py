@@ -26,7 +26,6 @@ import torch
 from engine.models.int4 import Int4Weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) that nibble i holds
-SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -99,12 +98,12 @@ def checkpoint_int4(config: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
     out: dict[str, Int4Weight] = {}
     for name in [n for n in tensors if n.endswith(".qweight")]:
         base = name[: -len(".qweight")]
-        parts = {s: tensors.pop(f"{base}.{s}", None) for s in SUFFIXES}
-        if parts["qzeros"] is None or parts["scales"] is None:
+        qweight = tensors.pop(name)
+        qzeros, scales, g_idx = (tensors.pop(f"{base}.{s}", None) for s in ("qzeros", "scales", "g_idx"))
+        if qzeros is None or scales is None:
             raise ValueError(f"model: {base} has a qweight but no qzeros or scales")
-        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
         weight = (awq_weight(qweight, qzeros, scales) if method == "awq" else
-                  gptq_weight(qweight, qzeros, scales, parts["g_idx"], zero_offset))
+                  gptq_weight(qweight, qzeros, scales, g_idx, zero_offset))
         if isinstance(weight, Int4Weight):
             out[f"{base}.weight"] = weight
         else:

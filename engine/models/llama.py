@@ -375,13 +375,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"model: the checkpoint has no tensor {name!r}")
             return tensors[name]
 
-        def fused(names: list[str]) -> Callable[[], torch.Tensor]:
-            return functools.partial(torch.cat, [get(n) for n in names])
+        def fused(names: list[str]) -> Callable[[], torch.Tensor]:  # read only if not skipped
+            return lambda: torch.cat([get(n) for n in names])
 
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
         for path, names in sources.items():
-            put(f"{path}.weight", lambda names=names: torch.cat([get(n) for n in names]))
+            put(f"{path}.weight", fused(names))
         spec = self.spec
         for i in range(spec.num_layers):
             p, mine = f"model.layers.{i}.", f"layers.{i}."

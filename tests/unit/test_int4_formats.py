@@ -74,8 +74,8 @@ def test_kernel_on_int4_blocks_equals_the_float_weights_bit_for_bit(kernel, n: i
     for m in (1, 3, 7, 200):
         x = torch.randn(m, k)
         assert torch.equal(kernel.q4_linear(x, blocks, n, bias), kernel.packed_linear(x, panels, n, bias))
-        torch.testing.assert_close(kernel.q4_linear(x, blocks, n, bias), torch.nn.functional.linear(x, dense, bias),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kernel.q4_linear(x, blocks, n, bias),
+                                   torch.nn.functional.linear(x, dense, bias), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
