@@ -100,7 +100,8 @@ def int4_checkpoint(float_dir: Path, dst: Path, method: str, group: int) -> None
 def describe(model: Any) -> tuple[int, str]:
     """(bytes of packed weights, how the projections run)."""
     layers = [model.get_submodule(p) for p in model.linear_names()]
-    size = sum(t.numel() * t.element_size() for layer in layers for t in (layer.panels, layer.q4) if t is not None)
+    held = [t for layer in layers for t in (layer.panels, layer.q4) if t is not None]
+    size = sum(t.numel() * t.element_size() for t in held)
     four = sum(layer.q4 is not None for layer in layers)
     only = sum(layer.q4 is not None and layer.panels is None for layer in layers)
     return size, f"{four}/{len(layers)} layers 4-bit ({only} with no float copy)"
@@ -113,7 +114,7 @@ def bench(model: str | None, new_tokens: int, repeats: int, drop_int4: bool = Fa
     net = llm.engine.runner.model
     if drop_int4:
         for p in net.linear_names():
-            net.get_submodule(p).q4 = None
+            setattr(net.get_submodule(p), "q4", None)  # noqa: B010 - the float panels alone
     prompt = list(range(1000, 1032))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -127,7 +128,8 @@ def bench(model: str | None, new_tokens: int, repeats: int, drop_int4: bool = Fa
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.weight_formats", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.weight_formats",
+                                description=(__doc__ or "").split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per run")
     p.add_argument("--repeats", type=int, default=3, help="runs per format (the median is printed)")
