@@ -9,8 +9,9 @@ and AWQ / GPTQ checkpoints made with the reference packers of tests/quant_ref.py
 SmolLM2's 576-wide rows are not whole 256-input super-blocks, so, as llama.cpp
 does with such rows, the K-quant files hold Q4_K / Q6_K in ffn_down only (1536
 inputs) and Q4_0 / Q8_0 in the rest; AWQ/GPTQ use groups of 64 (576 = 9 x 64).
-Prints the CPU (lscpu) and, per format, tok/s, the bytes of packed weights the
-engine holds, and how its layers run.
+Prints the CPU (lscpu) and, per format, decode tok/s of one stream, prefill
+tok/s, the packed weights the engine holds, and how its layers run.  THREADS
+(environment, default 2) sets the engine's threads.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def int4_checkpoint(float_dir: Path, dst: Path, method: str, group: int) -> None
             shutil.copy(f, dst / f.name)
 
 
+PREFILL_TOKENS = 256
+
+
 def describe(model: Any) -> tuple[int, str]:
     """(bytes of packed weights, how the projections run)."""
     layers = [model.get_submodule(p) for p in model.linear_names()]
@@ -118,13 +122,18 @@ def bench(model: str | None, new_tokens: int, repeats: int, drop_int4: bool = Fa
     prompt = list(range(1000, 1032))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    rates = []
-    for _ in range(repeats):
+    rates, prefill = [], []
+    long_prompt = list(range(1000, 1000 + PREFILL_TOKENS))
+    for r in range(repeats):
         t = time.perf_counter()
         out = llm.generate(prompt, params)
         rates.append(len(out[0].outputs[0].token_ids) / (time.perf_counter() - t))
+        t = time.perf_counter()  # a new prompt each time: no prefix-cache hit
+        llm.generate([r + 1, *long_prompt], SamplingParams(temperature=0, max_tokens=1))
+        prefill.append(PREFILL_TOKENS / (time.perf_counter() - t))
     size, how = describe(net)
-    return {"tok_s": statistics.median(rates), "runs": rates, "weights_mb": size / 2**20, "layers": how}
+    return {"tok_s": statistics.median(rates), "runs": rates, "prefill_tok_s": statistics.median(prefill),
+            "weights_mb": size / 2**20, "layers": how}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine.vocab.models import default_gguf
 
     print(cpu_summary())
+    print(f"| format | decode tok/s (1 stream) | prefill tok/s ({PREFILL_TOKENS}-token prompt) "
+          "| packed weights MiB | layers |\n|---|---:|---:|---:|---|")
     float_dir, src = resolve_model(None), default_gguf()
     assert load_linear_kernel() is not None and load_cpu_kernel() is not None  # built under the real cache
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -161,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         for label, (model, drop) in formats.items():
             r = bench(model, args.new_tokens, args.repeats, drop_int4=drop)
             results[label] = r
-            print(f"| {label} | {r['tok_s']:.1f} | {r['weights_mb']:.0f} | {r['layers']} |", flush=True)
+            print(f"| {label} | {r['tok_s']:.1f} | {r['prefill_tok_s']:.0f} | {r['weights_mb']:.0f} | "
+                  f"{r['layers']} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_summary(), "results": results}, indent=2))
 
