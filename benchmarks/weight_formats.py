@@ -11,7 +11,9 @@ does with such rows, the K-quant files hold Q4_K / Q6_K in ffn_down only (1536
 inputs) and Q4_0 / Q8_0 in the rest; AWQ/GPTQ use groups of 64 (576 = 9 x 64).
 Prints the CPU (lscpu) and, per format, decode tok/s of one stream, prefill
 tok/s, the packed weights the engine holds, and how its layers run.  THREADS
-(environment, default 2) sets the engine's threads.
+(environment, default 1: on a shared 2-core machine two threads wait on each
+other's preemption) sets the engine's threads.  All formats are loaded first and
+measured in rounds, one run of each per round; the medians are printed.
 """
 
 from __future__ import annotations
@@ -111,29 +113,30 @@ def describe(model: Any) -> tuple[int, str]:
     return size, f"{four}/{len(layers)} layers 4-bit ({only} with no float copy)"
 
 
-def bench(model: str | None, new_tokens: int, repeats: int, drop_int4: bool = False) -> dict[str, Any]:
+def load(model: str | None, drop_int4: bool = False) -> Any:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", num_blocks=64, num_threads=int(os.environ.get("THREADS", "2")))
-    net = llm.engine.runner.model
+    llm = LLM(model=model, dtype="float32", num_blocks=64, num_threads=int(os.environ.get("THREADS", "1")))
     if drop_int4:
+        net = llm.engine.runner.model
         for p in net.linear_names():
             setattr(net.get_submodule(p), "q4", None)  # noqa: B010 - the float panels alone
-    prompt = list(range(1000, 1032))
+    llm.generate(list(range(1000, 1016)), SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    return llm
+
+
+def one_round(llm: Any, new_tokens: int, round_no: int) -> tuple[float, float]:
+    """-> (decode tok/s of one stream, prefill tok/s of a PREFILL_TOKENS prompt)."""
+    from engine import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    rates, prefill = [], []
-    long_prompt = list(range(1000, 1000 + PREFILL_TOKENS))
-    for r in range(repeats):
-        t = time.perf_counter()
-        out = llm.generate(prompt, params)
-        rates.append(len(out[0].outputs[0].token_ids) / (time.perf_counter() - t))
-        t = time.perf_counter()  # a new prompt each time: no prefix-cache hit
-        llm.generate([r + 1, *long_prompt], SamplingParams(temperature=0, max_tokens=1))
-        prefill.append(PREFILL_TOKENS / (time.perf_counter() - t))
-    size, how = describe(net)
-    return {"tok_s": statistics.median(rates), "runs": rates, "prefill_tok_s": statistics.median(prefill),
-            "weights_mb": size / 2**20, "layers": how}
+    t = time.perf_counter()
+    out = llm.generate(list(range(1000, 1032)), params)
+    decode = len(out[0].outputs[0].token_ids) / (time.perf_counter() - t)
+    t = time.perf_counter()  # a new prompt each round: no prefix-cache hit
+    prompt = [round_no + 1, *range(1000, 1000 + PREFILL_TOKENS)]
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    return decode, PREFILL_TOKENS / (time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                                 description=(__doc__ or "").split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per format (the median is printed)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds (one run per format each; medians printed)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
 
@@ -168,12 +171,18 @@ def main(argv: list[str] | None = None) -> None:
         for method in ("awq", "gptq"):
             int4_checkpoint(float_dir, tmp / method, method, 64)
             formats[f"{method.upper()} int4 g64"] = (str(tmp / method), False)
+        llms = {label: load(model, drop) for label, (model, drop) in formats.items()}
+        runs: dict[str, list[tuple[float, float]]] = {label: [] for label in llms}
+        for r in range(args.repeats):  # rounds over all formats: a shared machine's load hits each alike
+            for label, llm in llms.items():
+                runs[label].append(one_round(llm, args.new_tokens, r))
         results = {}
-        for label, (model, drop) in formats.items():
-            r = bench(model, args.new_tokens, args.repeats, drop_int4=drop)
-            results[label] = r
-            print(f"| {label} | {r['tok_s']:.1f} | {r['prefill_tok_s']:.0f} | {r['weights_mb']:.0f} | "
-                  f"{r['layers']} |", flush=True)
+        for label, llm in llms.items():
+            size, how = describe(llm.engine.runner.model)
+            decode, prefill = (statistics.median(x) for x in zip(*runs[label], strict=True))
+            results[label] = {"decode_tok_s": decode, "prefill_tok_s": prefill, "runs": runs[label],
+                              "weights_mb": size / 2**20, "layers": how}
+            print(f"| {label} | {decode:.1f} | {prefill:.0f} | {size / 2**20:.0f} | {how} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_summary(), "results": results}, indent=2))
 
