@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -22,6 +23,7 @@ from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
+from engine.models.int4 import Int4Weight
 from engine.models.llama import AttentionFn, LlamaForCausalLM, LlamaSpec, bare_modules
 from engine.sampler import SampledToken, SamplingRow, TokenStats, gather_logprobs, sample
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -84,7 +86,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     from safetensors import safe_open
 
-    spec = LlamaSpec.from_hf(json.loads((model_dir / "config.json").read_text()))
+    from engine.models.loader import gguf_source
+    from engine.models.quantized import int4_layers
+
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = LlamaSpec.from_hf(config)
     files = sorted(glob.glob(str(model_dir / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"model: no .safetensors files in {model_dir}")
@@ -99,13 +105,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     kernel = load_linear_kernel() if device.type == "cpu" and dtype == torch.float32 else None
-    if kernel is None:
-        model.load_hf_state_dict(tensors)
-        return model.to(device).eval()
     cache = packed_cache_path(model_dir, files)
-    panels = load_packed(cache)
-    model.load_hf_state_dict(tensors, skip_linear_weights=panels is not None)
-    model.eval().pack_linears(kernel, panels)
+    panels = load_packed(cache) if kernel is not None else None
+    int4: dict[str, Int4Weight] = {}
+    int4_only = False
+    if panels is None:  # a 4-bit checkpoint's layers, or (for the kernel) a GGUF's 4-bit tensors
+        gguf = gguf_source(model_dir) if kernel is not None else None
+        int4, int4_only = int4_layers(model, config, tensors, gguf)
+    if kernel is None:  # no 4-bit kernel: float weights throughout
+        with torch.no_grad():
+            for path, w in int4.items():
+                cast(torch.nn.Linear, model.get_submodule(path)).weight.copy_(w.dequantize())
+        model.load_hf_state_dict(tensors, skip_linears=int4)
+        return model.to(device).eval()
+    model.load_hf_state_dict(tensors, skip_linear_weights=panels is not None,
+                             skip_linears=int4 if int4_only else ())
+    model.eval().pack_linears(kernel, panels, int4, int4_only)
     if panels is None:
         save_packed(model.packed_panels(), cache)
     return model
@@ -115,11 +130,13 @@ def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     """Where the packed weights of these safetensors files are kept: the key
     changes with the files and with the kernel's source (its packing layout)."""
     from engine.layers.cpu_attention import CSRC
-    from engine.models import llama
+    from engine.models import llama, quantized
     from engine.vocab.models import cache_dir
 
     h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
     h.update(Path(llama.__file__).read_bytes())  # the packing code
+    for name in quantized.SOURCES:
+        h.update((Path(quantized.__file__).parent / name).read_bytes())
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

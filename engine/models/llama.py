@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from types import ModuleType
 from typing import cast
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
+from engine.models.int4 import Int4Weight, exact_blocks, pack_blocks
 from engine.models.spec import LlamaSpec
 
 __all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "bare_modules"]
@@ -99,25 +100,14 @@ def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
     n, k = weight.shape
     if k % 32:
         return None
-    p = (n + 15) // 16
-    w = torch.zeros(p * 16, k, dtype=torch.float32)
-    w[:n] = weight
-    w3 = w.view(p * 16, k // 32, 32)
+    w3 = weight.view(n, k // 32, 32)
     m = w3.amin(-1)
     d = ((w3.amax(-1) - m) / 15).half().float()
     if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
         return None
     safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15)
-    kb = k // 32
-    dm = torch.cat([d.view(p, 16, kb).transpose(1, 2), m.view(p, 16, kb).transpose(1, 2)], dim=-1)
-    qb = q.to(torch.uint8).view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
-    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
-    blocks = torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
-                        nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
-    if not torch.equal(kernel.q4_unpack(blocks, n), weight):  # rebuilt as the kernel rebuilds them
-        return None
-    return blocks
+    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.uint8).view(n, k)
+    return exact_blocks(Int4Weight(q, d, m), kernel, weight)
 
 
 # Up to this many rows a projection reads its 4-bit copy (decoding few sequences
@@ -128,9 +118,12 @@ Q4_MAX_ROWS = 4
 class PackedLinear(nn.Module):
     """A float32 linear layer whose weight is packed once for the CPU kernel
     (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
-    dominates decode steps of a few rows.  Holds the packed copy only."""
+    dominates decode steps of a few rows.  Holds the packed copies only: float
+    panels, exact 4-bit blocks (q4), or both.  With no arguments it packs the
+    linear's weight (and finds its 4-bit blocks if it is 4-bit); with q4 alone
+    (a 4-bit checkpoint: AWQ, GPTQ) every row count reads the 4-bit blocks."""
 
-    panels: torch.Tensor
+    panels: torch.Tensor | None
     q4: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None,
@@ -138,20 +131,24 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
-        if panels is None:
+        if panels is None and q4 is None:
             weight = linear.weight.detach()
             panels = kernel.pack_weight(weight)
             q4 = q4_blocks(weight, kernel)
-        elif panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
+        elif panels is not None and panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
             raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
+                             f"{self.in_features}->{self.out_features} layer")
+        if q4 is not None and q4.shape[:2] != ((self.out_features + 15) // 16, self.in_features // 32):
+            raise ValueError(f"4-bit weights: {tuple(q4.shape)} do not fit a "
                              f"{self.in_features}->{self.out_features} layer")
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
+        if self.q4 is not None and (self.panels is None or x.numel() <= Q4_MAX_ROWS * self.in_features):
             return self.kernel.q4_linear(x, self.q4, self.out_features, self.bias)
+        assert self.panels is not None
         return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
 
 
@@ -280,16 +277,27 @@ class LlamaForCausalLM(nn.Module):
         return [f"layers.{i}.{name}" for i in range(len(self.layers))
                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + ["lm_head"]
 
-    def pack_linears(self, kernel: ModuleType, panels: Mapping[str, torch.Tensor] | None = None) -> None:
+    def pack_linears(self, kernel: ModuleType, panels: Mapping[str, torch.Tensor] | None = None,
+                     int4: Mapping[str, Int4Weight] | None = None, int4_only: bool = False) -> None:
         """Swap every projection and the head for a PackedLinear (CPU, float32),
-        packing their weights or taking `panels` packed before (by linear_names)."""
+        packing their weights or taking `panels` packed before (by linear_names,
+        4-bit blocks under "path#q4").  `int4`: layers' weights as the checkpoint
+        quantized them (by linear path); with int4_only those layers hold their
+        4-bit blocks alone (their float weights were never loaded)."""
         for path in self.linear_names():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
+            linear = getattr(parent, name)
             packed = q4 = None
             if panels is not None:
-                packed, q4 = panels[path], panels.get(f"{path}#q4")
-            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+                packed, q4 = panels.get(path), panels.get(f"{path}#q4")
+            elif int4 is not None and path in int4:
+                if int4_only:
+                    q4 = pack_blocks(int4[path])
+                else:  # the float weights are loaded: keep their panels, and the blocks if they rebuild them
+                    packed = kernel.pack_weight(linear.weight.detach())
+                    q4 = exact_blocks(int4[path], kernel, linear.weight.detach())
+            setattr(parent, name, PackedLinear(linear, kernel, packed, q4))
         if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
             return
         self.fused = kernel
@@ -300,9 +308,29 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():
             layer = cast(PackedLinear, self.get_submodule(path))
-            out[path] = layer.panels
+            if layer.panels is not None:
+                out[path] = layer.panels
             if layer.q4 is not None:
                 out[f"{path}#q4"] = layer.q4
+        return out
+
+    def linear_sources(self) -> dict[str, list[str]]:
+        """The checkpoint tensors (Hugging Face names) each packed layer's
+        weight is made of, stacked along the outputs; the head only if untied."""
+        out: dict[str, list[str]] = {}
+        for i in range(self.spec.num_layers):
+            p, mine = f"model.layers.{i}.", f"layers.{i}."
+            a = p + "self_attn."
+            if self.spec.fused_checkpoint:  # Phi-3 stores the fused layout already
+                out[mine + "qkv_proj"] = [a + "qkv_proj.weight"]
+                out[mine + "gate_up_proj"] = [p + "mlp.gate_up_proj.weight"]
+            else:
+                out[mine + "qkv_proj"] = [a + f"{x}_proj.weight" for x in "qkv"]
+                out[mine + "gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            out[mine + "o_proj"] = [a + "o_proj.weight"]
+            out[mine + "down_proj"] = [p + "mlp.down_proj.weight"]
+        if not self.spec.tie_word_embeddings:
+            out["lm_head"] = ["lm_head.weight"]
         return out
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
@@ -323,15 +351,17 @@ class LlamaForCausalLM(nn.Module):
         draft.local_inv_freq = self.local_inv_freq
         return draft.eval()
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False) -> None:
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False,
+                           skip_linears: Collection[str] = ()) -> None:
         """Load Hugging Face tensor names, fusing q/k/v and gate/up.  With
         skip_linear_weights the projections' and head's weights are left out
-        (their packed copies come from elsewhere); biases and the rest load."""
+        (their packed copies come from elsewhere), as are those of the layers
+        in skip_linears (quantized ones, packed from their codes); biases and
+        the rest load."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
-        skipped = {f"{path}.weight" for path in self.linear_names()} if skip_linear_weights else set()
-        if skipped and self.spec.tie_word_embeddings:
-            skipped.discard("lm_head.weight")  # it is the embedding
+        sources = self.linear_sources()
+        skipped = {f"{path}.weight" for path in sources if skip_linear_weights or path in skip_linears}
 
         def put(name: str, value: torch.Tensor | Callable[[], torch.Tensor]) -> None:
             loaded.add(name)
@@ -345,25 +375,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"model: the checkpoint has no tensor {name!r}")
             return tensors[name]
 
+        def fused(names: list[str]) -> Callable[[], torch.Tensor]:  # read only if not skipped
+            return lambda: torch.cat([get(n) for n in names])
+
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
-        if not self.spec.tie_word_embeddings:
-            put("lm_head.weight", get("lm_head.weight"))
+        for path, names in sources.items():
+            put(f"{path}.weight", fused(names))
         spec = self.spec
-
-        def fused(names: list[str]) -> Callable[[], torch.Tensor]:
-            return functools.partial(torch.cat, [get(n) for n in names])
-
         for i in range(spec.num_layers):
             p, mine = f"model.layers.{i}.", f"layers.{i}."
             a = p + "self_attn."
-            if spec.fused_checkpoint:  # Phi-3 stores the fused layout already
-                put(mine + "qkv_proj.weight", get(a + "qkv_proj.weight"))
-                put(mine + "gate_up_proj.weight", get(p + "mlp.gate_up_proj.weight"))
-            else:
-                put(mine + "qkv_proj.weight", fused([a + f"{x}_proj.weight" for x in "qkv"]))
-                put(mine + "gate_up_proj.weight",
-                    fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
             if spec.qkv_bias:
                 put(mine + "qkv_proj.bias", fused([a + f"{x}_proj.bias" for x in "qkv"]))
             if spec.o_bias:
@@ -374,8 +396,6 @@ class LlamaForCausalLM(nn.Module):
             if spec.qk_norm:
                 put(mine + "q_norm.weight", get(a + "q_norm.weight"))
                 put(mine + "k_norm.weight", get(a + "k_norm.weight"))
-            put(mine + "o_proj.weight", get(a + "o_proj.weight"))
-            put(mine + "down_proj.weight", get(p + "mlp.down_proj.weight"))
             norms = ["input_layernorm", "post_attention_layernorm"]
             if spec.gemma_norms:
                 norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]

@@ -16,15 +16,35 @@ from pathlib import Path
 
 from engine.vocab.models import cache_dir, converted_dir, is_converted, model_name, model_source
 
-__all__ = ["cache_dir", "load_tokenizer", "model_name", "resolve_model"]
+__all__ = ["cache_dir", "gguf_source", "load_tokenizer", "model_name", "resolve_model"]
 
 log = logging.getLogger(__name__)
+
+GGUF_SOURCE = "gguf_source.json"  # in a converted directory: which file it came from
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """Return a Hugging Face model directory for `model` (None: the default)."""
     path = model_source(model)
-    return path if path.is_dir() else _convert_gguf(path)
+    if path.is_dir():
+        return path
+    out = _convert_gguf(path)
+    marker = out / GGUF_SOURCE
+    if not marker.exists():  # conversions made before the marker lacked it
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"gguf": str(path.resolve())}))
+        os.replace(tmp, marker)
+    return out
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from (its 4-bit tensors are
+    packed from the file's own blocks), or None."""
+    marker = Path(model_dir) / GGUF_SOURCE
+    if not marker.exists():
+        return None
+    path = Path(json.loads(marker.read_text())["gguf"])
+    return path if path.is_file() else None
 
 
 def _convert_gguf(gguf: Path) -> Path:
