@@ -19,6 +19,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
+from engine.layers.cpu_features import fast_bf16
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
@@ -40,20 +41,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """On CPUs without native bf16, bf16 matmuls are several times slower than
     float32 (seen: 6x on an AVX2-only EPYC), so auto picks float32 there."""
     if name == "auto":
-        fast = device.type == "cuda" or cpu_has_fast_bf16()
+        fast = device.type == "cuda" or fast_bf16()
         return torch.bfloat16 if fast else torch.float32
     return DTYPES[name]
 
@@ -114,12 +106,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
 def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     """Where the packed weights of these safetensors files are kept: the key
     changes with the files and with the kernel's source (its packing layout)."""
+    from engine.layers import packed_linear
     from engine.layers.cpu_attention import CSRC
-    from engine.models import llama
     from engine.vocab.models import cache_dir
 
-    h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
-    h.update(Path(llama.__file__).read_bytes())  # the packing code
+    h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes() + (CSRC / "linear_isa_api.h").read_bytes())
+    h.update(Path(packed_linear.__file__).read_bytes())  # the packing code
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())

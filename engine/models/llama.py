@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
+from engine.layers.packed_linear import PackedLinear, q4_blocks
 from engine.models.spec import LlamaSpec
 
-__all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "bare_modules"]
+__all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "PackedLinear", "bare_modules", "q4_blocks"]
 
 @contextlib.contextmanager
 def bare_modules() -> Iterator[None]:
@@ -90,69 +91,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-
-
-def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
-    """The weight as exact 4-bit blocks for kernel.q4_linear, if it is one: a
-    matrix dequantized from GGUF Q4_1 (w = d * q + m, q in 0..15, d and m
-    float16, per 32 inputs).  None unless every weight rebuilds bit for bit."""
-    n, k = weight.shape
-    if k % 32:
-        return None
-    p = (n + 15) // 16
-    w = torch.zeros(p * 16, k, dtype=torch.float32)
-    w[:n] = weight
-    w3 = w.view(p * 16, k // 32, 32)
-    m = w3.amin(-1)
-    d = ((w3.amax(-1) - m) / 15).half().float()
-    if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
-        return None
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15)
-    kb = k // 32
-    dm = torch.cat([d.view(p, 16, kb).transpose(1, 2), m.view(p, 16, kb).transpose(1, 2)], dim=-1)
-    qb = q.to(torch.uint8).view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
-    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
-    blocks = torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
-                        nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
-    if not torch.equal(kernel.q4_unpack(blocks, n), weight):  # rebuilt as the kernel rebuilds them
-        return None
-    return blocks
-
-
-# Up to this many rows a projection reads its 4-bit copy (decoding few sequences
-# is memory-bound); beyond, the float32 panels (rebuilding weights costs compute).
-Q4_MAX_ROWS = 4
-
-
-class PackedLinear(nn.Module):
-    """A float32 linear layer whose weight is packed once for the CPU kernel
-    (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
-    dominates decode steps of a few rows.  Holds the packed copy only."""
-
-    panels: torch.Tensor
-    q4: torch.Tensor | None
-
-    def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None,
-                 q4: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel = kernel
-        if panels is None:
-            weight = linear.weight.detach()
-            panels = kernel.pack_weight(weight)
-            q4 = q4_blocks(weight, kernel)
-        elif panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
-            raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
-                             f"{self.in_features}->{self.out_features} layer")
-        self.register_buffer("panels", panels, persistent=False)
-        self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
-            return self.kernel.q4_linear(x, self.q4, self.out_features, self.bias)
-        return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
 
 
 class LlamaLayer(nn.Module):
@@ -286,10 +224,9 @@ class LlamaForCausalLM(nn.Module):
         for path in self.linear_names():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
-            packed = q4 = None
-            if panels is not None:
-                packed, q4 = panels[path], panels.get(f"{path}#q4")
-            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, packed, q4))
+            stored = None if panels is None else {k: panels[f"{path}{k}"] for k in ("", "#q4", "#q8")
+                                                   if f"{path}{k}" in panels}
+            setattr(parent, name, PackedLinear(getattr(parent, name), kernel, stored))
         if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
             return
         self.fused = kernel
@@ -300,9 +237,7 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():
             layer = cast(PackedLinear, self.get_submodule(path))
-            out[path] = layer.panels
-            if layer.q4 is not None:
-                out[f"{path}#q4"] = layer.q4
+            out.update({f"{path}{k}": v for k, v in layer.stored().items()})
         return out
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
