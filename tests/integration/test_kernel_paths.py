@@ -14,9 +14,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.cpu_attention import load_linear_kernel
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
-           "Once upon a time, in a small village by the sea,"]
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
