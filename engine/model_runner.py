@@ -20,6 +20,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
+from engine.layers.cpu_features import fast_bf16
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
@@ -42,22 +43,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+# Up to this many sequences a step, `auto` on a CPU runs float32 on the packed
+# kernels even where bf16 is native: measured on an AVX512-BF16 EPYC (Zen 4,
+# benchmarks/README.md), a single-stream decode step cost 20-24 ms of CPU in
+# float32 (exact 4-bit weights) against 100 in bf16, 32 sequences the same in
+# both, and a 512-token prefill 1.5x as much in float32.  So engines meant for
+# few streams get float32, engines batching many (the servers' default) bf16.
+AUTO_FLOAT32_MAX_SEQS = 4
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, max_num_seqs: int | None = None) -> torch.dtype:
     """On CPUs without native bf16, bf16 matmuls are several times slower than
-    float32 (seen: 6x on an AVX2-only EPYC), so auto picks float32 there."""
-    if name == "auto":
-        fast = device.type == "cuda" or cpu_has_fast_bf16()
-        return torch.bfloat16 if fast else torch.float32
-    return DTYPES[name]
+    float32 (seen: 6x on an AVX2-only EPYC), so auto picks float32 there; on
+    CPUs with it, float32 when the engine runs few sequences (see above)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if not fast_bf16():
+        return torch.float32
+    few = max_num_seqs is not None and max_num_seqs <= AUTO_FLOAT32_MAX_SEQS
+    return torch.float32 if few and load_linear_kernel() is not None else torch.bfloat16
 
 
 def available_memory(device: torch.device) -> int:
@@ -129,12 +135,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
 def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     """Where the packed weights of these safetensors files are kept: the key
     changes with the files and with the kernel's source (its packing layout)."""
+    from engine.layers import packed_linear
     from engine.layers.cpu_attention import CSRC
     from engine.models import llama, quantized
     from engine.vocab.models import cache_dir
 
-    h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes())
-    h.update(Path(llama.__file__).read_bytes())  # the packing code
+    h = hashlib.sha256((CSRC / "linear_cpu.cpp").read_bytes() + (CSRC / "linear_isa_api.h").read_bytes())
+    h.update(Path(packed_linear.__file__).read_bytes())  # the packing code
+    h.update(Path(llama.__file__).read_bytes())
     for name in quantized.SOURCES:
         h.update((Path(quantized.__file__).parent / name).read_bytes())
     for f in files:
@@ -171,12 +179,14 @@ def save_packed(panels: Mapping[str, torch.Tensor], path: Path) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, model_dir: Path, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_num_seqs: int | None = None) -> None:
+        """max_num_seqs: the scheduler's cap, which `dtype=auto` weighs on CPUs."""
         if model_config.num_threads:
             torch.set_num_threads(model_config.num_threads)
         self.model_dir = model_dir
         self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device, max_num_seqs)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = self.model.spec
         self.block_size = cache_config.block_size

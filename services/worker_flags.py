@@ -39,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES,
-                   help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
+                   help="auto: bfloat16 on GPUs and CPUs with native bf16 (float32 there too when "
+                        "--max-num-seqs <= 4: faster for few streams), else float32")
     g.add_argument("--device", default=ModelConfig.device,
                    help="cpu, cuda, cuda:N, or auto (cuda when there is a GPU)")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV cache block")

@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_attention_cpu.cpp"
+# The linear kernels: the torch-facing file and one file per instruction set.
+LINEAR_SOURCES = [CSRC / "linear_cpu.cpp",
+                  *(CSRC / f"linear_isa_{isa}.cpp" for isa in ("scalar", "avx2", "avx512"))]
 
 
 def stable_source(build_dir: Path, source: Path = SOURCE) -> Path:
@@ -31,25 +34,38 @@ def stable_source(build_dir: Path, source: Path = SOURCE) -> Path:
     return dst
 
 
-def build(name: str, source: Path) -> ModuleType | None:
+# -march=native: the attention kernel leans on the compiler's vectorizer, so
+# its build is for this CPU (its flags are part of the build's key).  The
+# linear kernels pick their instruction set at run time instead (one build for
+# every x86-64 CPU); -ffp-contract=off keeps their dequantizing mul-then-add
+# from being fused, which would round weights differently from their float32 copies.
+NATIVE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+PORTABLE_FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
+
+
+def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | None:
     if os.environ.get("SPLITSERVE_NO_CPU_KERNEL"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
+        from engine.layers.cpu_features import cpuinfo
         from engine.vocab.models import cache_dir
 
         # One folder per extension and source version: checkouts with different
         # sources (branches, worktrees) never rebuild over each other's build.
-        sources = [source, *sorted(CSRC.glob("*.h"))]
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
-        build_dir = cache_dir() / "kernels" / f"{name}-{digest}"
+        headers = sorted(CSRC.glob("*.h"))
+        h = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, *headers]))
+        h.update(" ".join(cflags).encode())
+        if "-march=native" in cflags:  # a native build is for this CPU only
+            h.update(" ".join(sorted(cpuinfo()[1])).encode())
+        build_dir = cache_dir() / "kernels" / f"{name}-{h.hexdigest()[:12]}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        for header in CSRC.glob("*.h"):  # the sources include these from their own folder
+        for header in headers:  # the sources include these from their own folder
             stable_source(build_dir, header)
-        return load(name=name, sources=[str(stable_source(build_dir, source))],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        return load(name=name, sources=[str(stable_source(build_dir, s)) for s in sources],
+                    extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                    verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)
         return None
@@ -57,9 +73,9 @@ def build(name: str, source: Path) -> ModuleType | None:
 
 @functools.cache
 def load_cpu_kernel() -> ModuleType | None:
-    return build("splitserve_paged_attention_cpu", SOURCE)
+    return build("splitserve_paged_attention_cpu", [SOURCE], NATIVE_FLAGS)
 
 
 @functools.cache
 def load_linear_kernel() -> ModuleType | None:
-    return build("splitserve_linear_cpu", CSRC / "linear_cpu.cpp")
+    return build("splitserve_linear_cpu", LINEAR_SOURCES, PORTABLE_FLAGS)

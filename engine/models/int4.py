@@ -11,8 +11,11 @@ but w = d * q + m, so the kernel rebuilds each weight as the format defines it:
   Q4_K         w = D q - M       ->  d = D, m = -M
 
 With s a float16 (11 significant bits) and q, z 4-bit, q * s and z * s are
-exact in float32, so fl(fl(d * q) + m) is (q - z) * s exactly: the kernel
-computes what the dequantized float32 matrix computes, bit for bit.
+exact in float32, so fl(fl(d * q) + m) is (q - z) * s exactly: the blocks
+rebuild the dequantized float32 matrix bit for bit (kernel.q4_unpack, which
+exact_blocks checks).  The kernel's product sums each block factored,
+d * sum(x q) + m * sum(x), so its results match the dequantized matrix's to
+float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from types import ModuleType
 
 import torch
 
+from engine.layers.packed_linear import q4_layout
+
 BLOCK = 32  # inputs per block; the kernel's QB
-PANEL = 16  # outputs per panel; the kernel's NR
 
 
 @dataclass(frozen=True)
@@ -75,20 +79,8 @@ class Int4Weight:
 
 
 def pack_blocks(w: Int4Weight) -> torch.Tensor:
-    """The kernel's layout, uint8 [P, K/32, 384]: per panel of 16 outputs and
-    block of 32 inputs, d[16] and m[16] as float32, then 32 rows of 8 bytes,
-    byte j of row k holding q(k, j) in its low nibble and q(k, j + 8) in its high."""
-    n, k = w.shape
-    p, kb = (n + PANEL - 1) // PANEL, k // BLOCK
-    pad = p * PANEL - n
-    q = torch.nn.functional.pad(w.q, (0, 0, 0, pad))
-    d = torch.nn.functional.pad(w.d, (0, 0, 0, pad))
-    m = torch.nn.functional.pad(w.m, (0, 0, 0, pad))
-    dm = torch.cat([d.view(p, PANEL, kb).transpose(1, 2), m.view(p, PANEL, kb).transpose(1, 2)], dim=-1)
-    qb = q.view(p, PANEL, kb, BLOCK).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
-    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
-    return torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 8 * PANEL),
-                      nibbles.reshape(p, kb, BLOCK * PANEL // 2)], dim=-1).contiguous()
+    """The kernel's layout of w (engine/layers/packed_linear.py, q4_layout)."""
+    return q4_layout(w.q, w.d, w.m)
 
 
 def exact_blocks(w: Int4Weight, kernel: ModuleType,

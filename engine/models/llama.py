@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
+from engine.layers.packed_linear import PackedLinear, q4_blocks
 from engine.models.int4 import Int4Weight, exact_blocks, pack_blocks
 from engine.models.spec import LlamaSpec
 
-__all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "bare_modules"]
+__all__ = ["AttentionFn", "LlamaForCausalLM", "LlamaSpec", "PackedLinear", "bare_modules", "q4_blocks"]
 
 @contextlib.contextmanager
 def bare_modules() -> Iterator[None]:
@@ -93,65 +94,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
-def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
-    """The weight as exact 4-bit blocks for kernel.q4_linear, if it is one: a
-    matrix dequantized from GGUF Q4_1 (w = d * q + m, q in 0..15, d and m
-    float16, per 32 inputs).  None unless every weight rebuilds bit for bit."""
-    n, k = weight.shape
-    if k % 32:
-        return None
-    w3 = weight.view(n, k // 32, 32)
-    m = w3.amin(-1)
-    d = ((w3.amax(-1) - m) / 15).half().float()
-    if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
-        return None
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.uint8).view(n, k)
-    return exact_blocks(Int4Weight(q, d, m), kernel, weight)
-
-
-# Up to this many rows a projection reads its 4-bit copy (decoding few sequences
-# is memory-bound); beyond, the float32 panels (rebuilding weights costs compute).
-Q4_MAX_ROWS = 4
-
-
-class PackedLinear(nn.Module):
-    """A float32 linear layer whose weight is packed once for the CPU kernel
-    (csrc/linear_cpu.cpp); the BLAS would repack it on every call, which
-    dominates decode steps of a few rows.  Holds the packed copies only: float
-    panels, exact 4-bit blocks (q4), or both.  With no arguments it packs the
-    linear's weight (and finds its 4-bit blocks if it is 4-bit); with q4 alone
-    (a 4-bit checkpoint: AWQ, GPTQ) every row count reads the 4-bit blocks."""
-
-    panels: torch.Tensor | None
-    q4: torch.Tensor | None
-
-    def __init__(self, linear: nn.Linear, kernel: ModuleType, panels: torch.Tensor | None = None,
-                 q4: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel = kernel
-        if panels is None and q4 is None:
-            weight = linear.weight.detach()
-            panels = kernel.pack_weight(weight)
-            q4 = q4_blocks(weight, kernel)
-        elif panels is not None and panels.shape != ((self.out_features + 15) // 16, self.in_features, 16):
-            raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
-                             f"{self.in_features}->{self.out_features} layer")
-        if q4 is not None and q4.shape[:2] != ((self.out_features + 15) // 16, self.in_features // 32):
-            raise ValueError(f"4-bit weights: {tuple(q4.shape)} do not fit a "
-                             f"{self.in_features}->{self.out_features} layer")
-        self.register_buffer("panels", panels, persistent=False)
-        self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and (self.panels is None or x.numel() <= Q4_MAX_ROWS * self.in_features):
-            return self.kernel.q4_linear(x, self.q4, self.out_features, self.bias)
-        assert self.panels is not None
-        return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)
-
-
 class LlamaLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int) -> None:
         super().__init__()
@@ -203,9 +145,12 @@ class LlamaLayer(nn.Module):
                        kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
         """forward() with the small ops fused (CPU, float32, full-width rope).
         Updates x, the residual stream, in place."""
+        # The projections' forward() directly: no hooks are ever registered on
+        # them, and nn.Module's __call__ machinery costs a few us a call, 120
+        # calls a step (the same holds for the layer call in LlamaForCausalLM).
         s, t = self.spec, x.shape[0]
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = self.qkv_proj(f.rms_norm(x, norm1.weight, norm1.eps))
+        qkv = self.qkv_proj.forward(f.rms_norm(x, norm1.weight, norm1.eps))
         if self.q_norm is not None and self.k_norm is not None:  # per head, in place, ahead of rope
             for norm, lo, n in ((self.q_norm, 0, s.num_heads), (self.k_norm, self.q_size, s.num_kv_heads)):
                 part = qkv[:, lo:lo + n * s.head_dim]
@@ -220,8 +165,9 @@ class LlamaLayer(nn.Module):
                            cos, sin)
             write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
-        h = f.rms_norm(self.o_proj(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)  # x += o_proj(o)
-        return x.add_(self.down_proj(f.silu_and_mul(self.gate_up_proj(h))))
+        # x += o_proj(o), then h = norm2(x)
+        h = f.rms_norm(self.o_proj.forward(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)
+        return x.add_(self.down_proj.forward(f.silu_and_mul(self.gate_up_proj.forward(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -262,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         local = rope if self.local_inv_freq is None else self.rope(self.local_inv_freq, positions, x.dtype)
         for layer in self.layers:
             cos, sin = local if cast(LlamaLayer, layer).window is not None else rope
-            x = layer(x, cos, sin, kv_cache, meta, attn)
+            x = layer.forward(x, cos, sin, kv_cache, meta, attn)
         if self.fused is not None:
             return self.fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
@@ -288,16 +234,18 @@ class LlamaForCausalLM(nn.Module):
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
             linear = getattr(parent, name)
-            packed = q4 = None
+            stored: dict[str, torch.Tensor] | None = None
             if panels is not None:
-                packed, q4 = panels.get(path), panels.get(f"{path}#q4")
+                stored = {k: panels[f"{path}{k}"] for k in ("", "#q4", "#q8") if f"{path}{k}" in panels}
             elif int4 is not None and path in int4:
                 if int4_only:
-                    q4 = pack_blocks(int4[path])
+                    stored = {"#q4": pack_blocks(int4[path])}
                 else:  # the float weights are loaded: keep their panels, and the blocks if they rebuild them
-                    packed = kernel.pack_weight(linear.weight.detach())
+                    stored = {"": kernel.pack_weight(linear.weight.detach())}
                     q4 = exact_blocks(int4[path], kernel, linear.weight.detach())
-            setattr(parent, name, PackedLinear(linear, kernel, packed, q4))
+                    if q4 is not None:
+                        stored["#q4"] = q4
+            setattr(parent, name, PackedLinear(linear, kernel, stored))
         if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
             return
         self.fused = kernel
@@ -308,10 +256,7 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():
             layer = cast(PackedLinear, self.get_submodule(path))
-            if layer.panels is not None:
-                out[path] = layer.panels
-            if layer.q4 is not None:
-                out[f"{path}#q4"] = layer.q4
+            out.update({f"{path}{k}": v for k, v in layer.stored().items()})
         return out
 
     def linear_sources(self) -> dict[str, list[str]]:

@@ -3,13 +3,18 @@
 // The BLAS behind torch repacks the weight matrix on every call, which costs
 // as much as the multiply itself when the batch is a few decode rows: on two
 // AVX2 cores a 2-row GEMM took 5x as long as a 1-row one.  Packing the weight
-// into panels of 16 output columns, stored k-major ([N/16][K][16]), lets each
-// call stream every weight exactly once per block of rows, for any row count.
+// into panels of 16 output columns lets each call stream every weight exactly
+// once per block of rows, for any row count.  Three formats of a panel:
 //
-//   pack_weight(w [N, K])                -> panels [ceil(N/16), K, 16]
-//   packed_linear(x [M, K], panels, N, bias or None) -> y [M, N]
+//   pack_weight(w [N, K])  -> float32 panels [ceil(N/16), K, 16]
+//   q4 blocks (GGUF Q4_1, exact) [P, K/32, 384]; q8 blocks (Q8_0, exact) [P, K/32, 576]
+//   packed_linear / q4_linear / q8_linear(x [M, K], panels, N, bias or None) -> y [M, N]
 //
-// and the small float32 ops between the projections, fused (rms_norm,
+// The micro-kernels live in linear_isa.h, compiled once per instruction set
+// (linear_isa_{scalar,avx2,avx512}.cpp); the set is picked at run time from
+// the CPU (isa(), set_isa(), supported_isas()), and every set gives the same bits.
+//
+// Also the small float32 ops between the projections, fused (rms_norm,
 // rope_and_store_kv, silu_and_mul).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,172 +24,88 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <tuple>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPLITSERVE_AVX2 1
-#endif
+#include "linear_isa_api.h"
+
+using namespace splitserve_linear;
 
 namespace {
 
-constexpr int64_t NR = 16;       // output columns per panel (two 8-float vectors)
-constexpr int64_t MR = 6;        // rows per micro-kernel call (12 accumulators)
 constexpr int64_t M_CHUNK = 192; // rows of x kept hot while the panels stream past
 
-#ifdef SPLITSERVE_AVX2
-// R rows x 16 columns of accumulators, the part every weight format shares:
-// acc[r] += x[r, k] * b for each k, in the same order whatever the format.
-template <int R>
-struct Acc {
-  __m256 lo[R], hi[R];
-  Acc() {
-    for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
-  }
-  inline void fma(const float* __restrict__ x, int64_t ldx, int64_t k, __m256 b0, __m256 b1) {
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-      lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
-    }
-  }
-  inline void store(float* __restrict__ tile) const {
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(tile + r * NR, lo[r]);
-      _mm256_storeu_ps(tile + r * NR + 8, hi[r]);
-    }
-  }
-};
+// ---- which instruction set runs the projections ----
+//
+// Chosen once from the CPU (or SPLITSERVE_LINEAR_ISA=scalar|avx2|avx512);
+// set_isa() switches it so tests can compare every path the machine has.
+bool isa_supported(const std::string& name) {
+  if (name == "scalar") return true;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (name == "avx2") return avx2;
+  if (name == "avx512")
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 #endif
-
-// y[0:R, 0:16] = x[0:R, :] @ panel, R <= MR.  x rows are ldx apart; the
-// result goes to a 16-wide scratch tile.
-template <int R>
-inline void micro_kernel(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel,
-                         int64_t K, float* __restrict__ tile) {
-#ifdef SPLITSERVE_AVX2
-  Acc<R> acc;
-  for (int64_t k = 0; k < K; ++k)
-    acc.fma(x, ldx, k, _mm256_loadu_ps(panel + k * NR), _mm256_loadu_ps(panel + k * NR + 8));
-  acc.store(tile);
-#else
-  for (int r = 0; r < R; ++r) {
-    float acc[NR] = {0};
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = x[r * ldx + k];
-      for (int64_t j = 0; j < NR; ++j) acc[j] += a * panel[k * NR + j];
-    }
-    std::memcpy(tile + r * NR, acc, sizeof(acc));
-  }
-#endif
+  return false;
 }
 
-// ---- 4-bit weights, exactly ----
-//
-// A weight matrix dequantized from 4-bit blocks (GGUF Q4_1: w = d * q + m per
-// 32 inputs, q in 0..15) holds at most 16 distinct values per block.  Stored
-// as those blocks again, a one-row GEMV reads 4.5 bits per weight instead of
-// 32: decoding a single sequence is memory-bound, so it runs several times
-// faster, and since the kernel rebuilds each weight as fl(fl(d * q) + m), the
-// very float the float32 matrix holds, and accumulates in the same order, it
-// computes bit for bit what packed_linear computes.
-//
-// Layout, uint8 [P, K/32, 384]: per panel of 16 outputs and block of 32 inputs,
-// d[16] and m[16] as float32, then 32 rows of 8 bytes: byte j of row k holds
-// q(k, j) in its low nibble and q(k, j + 8) in its high one.
-constexpr int64_t QB = 32;                    // inputs per block
-constexpr int64_t Q4_BLOCK_BYTES = 2 * NR * 4 + QB * NR / 2;  // 384
-
-template <int R>
-inline void q4_micro_kernel(const float* __restrict__ x, int64_t ldx, const uint8_t* __restrict__ panel,
-                            int64_t K, float* __restrict__ tile) {
-#ifdef SPLITSERVE_AVX2
-  Acc<R> acc;
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t kb = 0; kb < K / QB; ++kb) {
-    const uint8_t* blk = panel + kb * Q4_BLOCK_BYTES;
-    const float* dm = reinterpret_cast<const float*>(blk);
-    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
-    const __m256 m0 = _mm256_loadu_ps(dm + 16), m1 = _mm256_loadu_ps(dm + 24);
-    const uint8_t* q = blk + 2 * NR * 4;
-    for (int64_t kk = 0; kk < QB; ++kk) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-      const __m128i lo = _mm_and_si128(v, mask);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-      // mul, then add: never fused, so each weight is rounded as its float32 copy was
-      const __m256 b0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0), m0);
-      const __m256 b1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d1), m1);
-      acc.fma(x, ldx, kb * QB + kk, b0, b1);
-    }
-  }
-  acc.store(tile);
-#else
-  for (int r = 0; r < R; ++r) {
-    float acc[NR] = {0};
-    for (int64_t k = 0; k < K; ++k) {
-      const uint8_t* blk = panel + (k / QB) * Q4_BLOCK_BYTES;
-      const float* dm = reinterpret_cast<const float*>(blk);
-      const uint8_t* q = blk + 2 * NR * 4 + (k % QB) * 8;
-      const float a = x[r * ldx + k];
-      for (int64_t j = 0; j < NR; ++j) {
-        volatile float prod = static_cast<float>(j < 8 ? (q[j] & 0x0F) : (q[j - 8] >> 4)) * dm[j];
-        acc[j] += a * (prod + dm[NR + j]);
-      }
-    }
-    std::memcpy(tile + r * NR, acc, sizeof(acc));
-  }
-#endif
+const IsaKernels* isa_table(const std::string& name) {
+  if (name == "avx512") return &kAvx512Kernels;
+  if (name == "avx2") return &kAvx2Kernels;
+  if (name == "scalar") return &kScalarKernels;
+  return nullptr;
 }
 
-// One micro-kernel family per weight format, over panel p's storage.
-struct F32Panels {
-  const float* base;
-  int64_t K;
-  template <int R>
-  void run(int64_t p, const float* x, int64_t ldx, float* tile) const {
-    micro_kernel<R>(x, ldx, base + p * K * NR, K, tile);
+const IsaKernels* best_isa() {
+  const char* env = std::getenv("SPLITSERVE_LINEAR_ISA");
+  if (env && *env) {
+    TORCH_CHECK(isa_table(env) && isa_supported(env), "SPLITSERVE_LINEAR_ISA=", env,
+                ": not one of scalar, avx2, avx512 that this CPU runs");
+    return isa_table(env);
   }
-};
+  for (const char* name : {"avx512", "avx2"})
+    if (isa_supported(name)) return isa_table(name);
+  return &kScalarKernels;
+}
 
-struct Q4Panels {
+std::atomic<const IsaKernels*> g_isa{nullptr};
+
+const IsaKernels& isa() {
+  const IsaKernels* k = g_isa.load(std::memory_order_acquire);
+  if (!k) {
+    k = best_isa();
+    g_isa.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+// One weight format: its per-ISA kernel and where panel p's storage starts.
+struct Panels {
+  RowsTimesPanels kernel;
   const uint8_t* base;
-  int64_t K;
-  template <int R>
-  void run(int64_t p, const float* x, int64_t ldx, float* tile) const {
-    q4_micro_kernel<R>(x, ldx, base + p * (K / QB) * Q4_BLOCK_BYTES, K, tile);
-  }
+  int64_t panel_bytes;
+  bool block_sums = false;  // the kernel wants sums of x per block (q4)
 };
 
-template <typename Panels>
-void rows_times_panel(const Panels& w, int64_t p, const float* x, int64_t ldx, int64_t rows,
-                      const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
-  float tile[MR * NR];
-  for (int64_t m = 0; m < rows; m += MR) {
-    const int64_t r = std::min<int64_t>(MR, rows - m);
-    const float* xm = x + m * ldx;
-    switch (r) {
-      case 6: w.template run<6>(p, xm, ldx, tile); break;
-      case 5: w.template run<5>(p, xm, ldx, tile); break;
-      case 4: w.template run<4>(p, xm, ldx, tile); break;
-      case 3: w.template run<3>(p, xm, ldx, tile); break;
-      case 2: w.template run<2>(p, xm, ldx, tile); break;
-      default: w.template run<1>(p, xm, ldx, tile); break;
-    }
-    for (int64_t i = 0; i < r; ++i) {
-      float* out = y + (m + i) * ldy + col0;
-      const float* t = tile + i * NR;
-      if (bias) {
-        for (int64_t j = 0; j < cols; ++j) out[j] = t[j] + bias[col0 + j];
-      } else {
-        std::memcpy(out, t, cols * sizeof(float));
-      }
-    }
+// s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row
+// and block: fast-math off here, so the sums come out the same everywhere.
+__attribute__((optimize("no-fast-math"))) void block_sums(const float* x, int64_t rows, int64_t K, float* s) {
+  for (int64_t i = 0; i < rows * (K / QB); ++i) {
+    const float* v = x + i * QB;
+    float acc = v[0];
+    for (int64_t k = 1; k < QB; ++k) acc += v[k];
+    s[i] = acc;
   }
 }
 
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
-template <typename Panels>
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
@@ -205,18 +126,31 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   }
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // The factored q4 format wants each row's sum of x per block of 32 inputs,
+  // added in order (one fixed order for every row count and instruction set).
+  const int64_t KB = K / QB;
+  at::Tensor xs;
+  const float* xsp = nullptr;
+  if (w.block_sums) {
+    xs = at::empty({M, KB}, x2.options());
+    block_sums(xp, M, K, xs.data_ptr<float>());
+    xsp = xs.data_ptr<float>();
+  }
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-  // Tasks are (row chunk, panel), chunk-major: a thread walks panels while its
-  // rows stay in cache; each panel is read once per chunk.
+  // Tasks are (row chunk, group of G panels), chunk-major: a thread walks
+  // panels while its rows stay in cache; each panel is read once per chunk.
+  // Few rows take panels G at a time (the kernel interleaves them).
+  const int64_t G = M <= 4 ? 4 : 1, groups = (P + G - 1) / G;
   // About 16 claims per thread: small enough to even out a preempted thread,
   // large enough that claiming costs nothing.
-  const int64_t grain = std::max<int64_t>(1, chunks * P / (16 * at::get_num_threads()));
-  parallel_claim(chunks * P, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
+  parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / P, p = t % P;
+      const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
       const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
-      const int64_t col0 = p * NR, cols = std::min(NR, N - col0);
-      rows_times_panel(w, p, xp + m0 * K, K, rows, bp, col0, cols, yp + m0 * N, N);
+      const int64_t col0 = p * NR, cols = std::min(np * NR, N - col0);
+      w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * K, K, xsp ? xsp + m0 * KB : nullptr, KB,
+               rows, bp, col0, cols, yp + m0 * N, N);
     }
   });
   return y.view(sizes);
@@ -247,7 +181,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
   TORCH_CHECK(panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR, "packed_linear: panels must be [P, K, 16]");
   const int64_t K = panels.size(1);
-  return run_linear("packed_linear", x, F32Panels{panels.data_ptr<float>(), K}, panels.size(0), K, N, bias);
+  const Panels w{isa().f32, reinterpret_cast<const uint8_t*>(panels.data_ptr<float>()), K * NR * 4};
+  return run_linear("packed_linear", x, w, panels.size(0), K, N, bias);
 }
 
 // The weights a q4 panel set stands for, [N, K] float32, rebuilt as the kernel
@@ -279,7 +214,50 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, c
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
               "q4_linear: blocks must be uint8 [P, K/32, 384]");
   const int64_t K = blocks.size(1) * QB;
-  return run_linear("q4_linear", x, Q4Panels{blocks.data_ptr<uint8_t>(), K}, blocks.size(0), K, N, bias);
+  const Panels w{isa().q4, blocks.data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, true};
+  return run_linear("q4_linear", x, w, blocks.size(0), K, N, bias);
+}
+
+// The weights q8 blocks stand for, [N, K] float32 (for checking a packing).
+at::Tensor q8_unpack(const at::Tensor& blocks, int64_t N) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES,
+              "q8_unpack: blocks must be uint8 [P, K/32, 576]");
+  const int64_t P = blocks.size(0), K = blocks.size(1) * QB;
+  auto w = at::empty({P * NR, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t kb = 0; kb < K / QB; ++kb) {
+      const uint8_t* blk = bp + (p * (K / QB) + kb) * Q8_BLOCK_BYTES;
+      const float* d = reinterpret_cast<const float*>(blk);
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + NR * 4);
+      for (int64_t kk = 0; kk < QB; ++kk)
+        for (int64_t j = 0; j < NR; ++j) wp[(p * NR + j) * K + kb * QB + kk] = d[j] * static_cast<float>(q[kk * NR + j]);
+    }
+  return w.narrow(0, 0, N);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES,
+              "q8_linear: blocks must be uint8 [P, K/32, 576]");
+  const int64_t K = blocks.size(1) * QB;
+  const Panels w{isa().q8, blocks.data_ptr<uint8_t>(), (K / QB) * Q8_BLOCK_BYTES};
+  return run_linear("q8_linear", x, w, blocks.size(0), K, N, bias);
+}
+
+std::string isa_name() { return isa().name; }
+
+void set_isa(const std::string& name) {
+  TORCH_CHECK(isa_table(name), "set_isa: ", name, " is not one of scalar, avx2, avx512");
+  TORCH_CHECK(isa_supported(name), "set_isa: this CPU lacks the instructions of ", name);
+  g_isa.store(isa_table(name), std::memory_order_release);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const char* name : {"scalar", "avx2", "avx512"})
+    if (isa_supported(name)) out.emplace_back(name);
+  return out;
 }
 
 // ---- the small ops around the projections, fused (float32, any row count) ----
@@ -413,9 +391,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ bias) with a packed weight",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-  m.def("q4_linear", &q4_linear, "x @ W.T (+ bias) with W held as exact 4-bit blocks",
+  m.def("q4_linear", &q4_linear, "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("q4_unpack", &q4_unpack, "the float32 weights q4 blocks stand for");
+  m.def("q8_linear", &q8_linear, "x @ W.T (+ bias) with W held as exact 8-bit blocks",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+  m.def("q8_unpack", &q8_unpack, "the float32 weights q8 blocks stand for");
+  m.def("isa", &isa_name, "the instruction set the projections run on");
+  m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");
+  m.def("supported_isas", &supported_isas, "the instruction sets this CPU runs");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows (after residual += x when a residual is given)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("rope_and_store_kv", &rope_and_store_kv, "rope on q and k, k and v into the paged cache; returns q, k");

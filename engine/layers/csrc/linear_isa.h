@@ -1,0 +1,248 @@
+// The linear micro-kernels, written once over a 16-wide weight vector and
+// compiled once per instruction set: a translation unit defines one of
+// SPLITSERVE_ISA_AVX512 / SPLITSERVE_ISA_AVX2 (with a matching target
+// pragma) or neither (portable scalar), and SPLITSERVE_ISA_TABLE, then
+// includes this file.  Nothing here is inline outside an anonymous
+// namespace: code built for AVX-512 must never be what the linker picks for
+// a caller on an AVX2 machine.
+#include <cstring>
+
+#include "linear_isa_api.h"
+
+#if defined(SPLITSERVE_ISA_AVX512) || defined(SPLITSERVE_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace splitserve_linear {
+namespace {
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+#if defined(SPLITSERVE_ISA_AVX512)
+constexpr int MR = 12;  // rows per micro-kernel call: 12 of the 32 vector registers
+constexpr int MR_WIDE = 4, NP_WIDE = 4;  // up to 4 rows: 4 panels at once (16 accumulators)
+constexpr int NP_WIDE_Q4 = 2;  // q4 keeps a block sum beside each accumulator
+struct W16 { __m512 v; };
+inline W16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline W16 mul(W16 a, W16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline W16 add(W16 a, W16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+// Two rows of q4 nibbles (16 bytes) -> their 16 q values each, as floats.
+inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  r0.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+  r1.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
+}
+inline W16 q8_row(const uint8_t* q) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
+}
+template <int R>
+struct Acc {
+  __m512 a[R];
+  Acc() { for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps(); }
+  inline void fma(const float* __restrict__ x, int64_t ldx, int64_t k, W16 b) {
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), b.v, a[r]);
+  }
+  inline void store(float* tile) const { for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + r * NR, a[r]); }
+  // a += d * s + m * xs[r]: a 4-bit block's sum folded in (see Q4).
+  inline void fold(const Acc& s, W16 d, W16 m, const float* xs, int64_t ldxs) {
+    for (int r = 0; r < R; ++r)
+      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * ldxs]), m.v, _mm512_fmadd_ps(d.v, s.a[r], a[r]));
+  }
+};
+
+#elif defined(SPLITSERVE_ISA_AVX2)
+constexpr int MR = 6;  // 12 accumulators of the 16 registers
+constexpr int MR_WIDE = 2, NP_WIDE = 2;  // up to 2 rows: 2 panels at once (8 accumulators)
+constexpr int NP_WIDE_Q4 = 1;
+struct W16 { __m256 lo, hi; };
+inline W16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline W16 mul(W16 a, W16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline W16 add(W16 a, W16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  r0 = {u8x8(lo), u8x8(hi)};
+  r1 = {u8x8(_mm_srli_si128(lo, 8)), u8x8(_mm_srli_si128(hi, 8))};
+}
+inline W16 q8_row(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+template <int R>
+struct Acc {
+  __m256 lo[R], hi[R];
+  Acc() { for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); } }
+  inline void fma(const float* __restrict__ x, int64_t ldx, int64_t k, W16 b) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      lo[r] = _mm256_fmadd_ps(a, b.lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, b.hi, hi[r]);
+    }
+  }
+  inline void store(float* tile) const {
+    for (int r = 0; r < R; ++r) { _mm256_storeu_ps(tile + r * NR, lo[r]); _mm256_storeu_ps(tile + r * NR + 8, hi[r]); }
+  }
+  inline void fold(const Acc& s, W16 d, W16 m, const float* xs, int64_t ldxs) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(xs + r * ldxs);
+      lo[r] = _mm256_fmadd_ps(a, m.lo, _mm256_fmadd_ps(d.lo, s.lo[r], lo[r]));
+      hi[r] = _mm256_fmadd_ps(a, m.hi, _mm256_fmadd_ps(d.hi, s.hi[r], hi[r]));
+    }
+  }
+};
+
+#else  // portable: the same arithmetic one lane at a time (fmaf: one rounding, as the vector FMA)
+constexpr int MR = 4;
+constexpr int MR_WIDE = 1, NP_WIDE = 1, NP_WIDE_Q4 = 1;
+struct W16 { float v[NR]; };
+inline W16 load16(const float* p) { W16 w; std::memcpy(w.v, p, sizeof(w.v)); return w; }
+inline W16 mul(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] * b.v[j]; return a; }
+inline W16 add(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] + b.v[j]; return a; }
+inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
+  for (int j = 0; j < 8; ++j) {
+    r0.v[j] = static_cast<float>(q[j] & 0x0F); r0.v[j + 8] = static_cast<float>(q[j] >> 4);
+    r1.v[j] = static_cast<float>(q[8 + j] & 0x0F); r1.v[j + 8] = static_cast<float>(q[8 + j] >> 4);
+  }
+}
+inline W16 q8_row(const uint8_t* q) {
+  W16 w;
+  for (int j = 0; j < NR; ++j) w.v[j] = static_cast<float>(static_cast<int8_t>(q[j]));
+  return w;
+}
+template <int R>
+struct Acc {
+  float a[R][NR];
+  Acc() { std::memset(a, 0, sizeof(a)); }
+  inline void fma(const float* __restrict__ x, int64_t ldx, int64_t k, const W16& b) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NR; ++j) a[r][j] = __builtin_fmaf(x[r * ldx + k], b.v[j], a[r][j]);
+  }
+  inline void store(float* tile) const { std::memcpy(tile, a, sizeof(a)); }
+  inline void fold(const Acc& s, const W16& d, const W16& m, const float* xs, int64_t ldxs) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NR; ++j)
+        a[r][j] = __builtin_fmaf(xs[r * ldxs], m.v[j], __builtin_fmaf(d.v[j], s.a[r][j], a[r][j]));
+  }
+};
+#endif
+
+// The formats: R rows of x times NP consecutive panels (pbytes apart), into
+// NP tiles of R x 16.  Several panels at once give the FMA units independent
+// chains: one row against one panel is a single chain of K dependent FMAs,
+// bound by their latency (4 cycles per 16 weights), not by their throughput.
+// Each output is still one chain over k in order, so the result is the same.
+struct F32 {
+  static constexpr int NP_MAX = NP_WIDE;
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float*, int64_t,
+                  float* tile) {
+    Acc<R> acc[NP];
+    for (int64_t k = 0; k < K; ++k)
+      for (int n = 0; n < NP; ++n)
+        acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
+    for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
+  }
+};
+
+// 4-bit blocks, factored: w = d * q + m, so a block of 32 inputs adds
+// d * sum(x q) + m * sum(x) to each output.  The sum over x q runs on the
+// small integers q as floats (no per-weight rebuild), sum(x) once per row and
+// block (xs, computed by the caller).  Every row count runs this same
+// arithmetic, so a row's result never depends on the batch around it.
+struct Q4 {
+  static constexpr int NP_MAX = NP_WIDE_Q4;
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
+                  int64_t ldxs, float* tile) {
+    Acc<R> acc[NP];
+    for (int64_t kb = 0; kb < K / QB; ++kb) {
+      Acc<R> s[NP];
+      for (int64_t kk = 0; kk < QB; kk += 2)
+        for (int n = 0; n < NP; ++n) {
+          W16 r0, r1;
+          q4_rows(p + n * pbytes + kb * Q4_BLOCK_BYTES + 2 * NR * 4 + kk * 8, r0, r1);
+          s[n].fma(x, ldx, kb * QB + kk, r0);
+          s[n].fma(x, ldx, kb * QB + kk + 1, r1);
+        }
+      for (int n = 0; n < NP; ++n) {
+        const float* dm = reinterpret_cast<const float*>(p + n * pbytes + kb * Q4_BLOCK_BYTES);
+        acc[n].fold(s[n], load16(dm), load16(dm + NR), xs + kb, ldxs);
+      }
+    }
+    for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
+  }
+};
+
+struct Q8 {
+  static constexpr int NP_MAX = NP_WIDE;
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float*, int64_t,
+                  float* tile) {
+    Acc<R> acc[NP];
+    for (int64_t kb = 0; kb < K / QB; ++kb) {
+      W16 d[NP];
+      for (int n = 0; n < NP; ++n) d[n] = load16(reinterpret_cast<const float*>(p + n * pbytes + kb * Q8_BLOCK_BYTES));
+      for (int64_t kk = 0; kk < QB; ++kk)
+        for (int n = 0; n < NP; ++n)
+          acc[n].fma(x, ldx, kb * QB + kk, mul(q8_row(p + n * pbytes + kb * Q8_BLOCK_BYTES + NR * 4 + kk * NR), d[n]));
+    }
+    for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
+  }
+};
+
+template <typename Format, int R, int NP>
+inline void run_rows(const uint8_t* panel, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
+                     int64_t ldxs, int64_t rows, float* tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return run_rows<Format, R - 1, NP>(panel, pbytes, K, x, ldx, xs, ldxs, rows, tile);
+  }
+  Format::template run<R, NP>(panel, pbytes, K, x, ldx, xs, ldxs, tile);
+}
+
+// Copies R rows x 16 of a tile out to y (plus bias), cols of them valid.
+inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col0, int64_t cols, float* y,
+                       int64_t ldy) {
+  for (int64_t i = 0; i < r; ++i) {
+    float* out = y + i * ldy + col0;
+    const float* ti = t + i * NR;
+    if (bias) {
+      for (int64_t j = 0; j < cols; ++j) out[j] = ti[j] + bias[col0 + j];
+    } else {
+      std::memcpy(out, ti, cols * sizeof(float));
+    }
+  }
+}
+
+template <typename Format>
+void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
+                       const float* xs, int64_t ldxs, int64_t rows, const float* bias, int64_t col0, int64_t cols,
+                       float* y, int64_t ldy) {
+  constexpr int NPW = Format::NP_MAX;
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  alignas(64) float tile[MR * NR * NP_WIDE];
+  int64_t n = 0;
+  if (rows <= MR_WIDE) {  // few rows: several panels at a time
+    for (; n + NPW <= np; n += NPW) {
+      run_rows<Format, MR_WIDE, NPW>(p + n * pbytes, pbytes, K, x, ldx, xs, ldxs, rows, tile);
+      for (int64_t j = 0; j < NPW; ++j)
+        store_tile(tile + j * rows * NR, rows, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y, ldy);
+    }
+  }
+  for (; n < np; ++n)
+    for (int64_t m = 0; m < rows; m += MR) {
+      const int64_t r = min64(MR, rows - m);
+      run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
+      store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
+    }
+}
+
+}  // namespace
+
+extern const IsaKernels SPLITSERVE_ISA_TABLE = {
+    SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>};
+
+}  // namespace splitserve_linear

@@ -1,0 +1,40 @@
+// The linear kernels' per-instruction-set entry points.  Each is compiled in
+// its own translation unit (linear_isa_<name>.cpp, with its instruction set
+// enabled by a pragma) and picked at run time from the CPU's flags, so one
+// build runs on every x86-64 machine.  Every set computes bit for bit the same
+// result: each output is sum_k fma(x[k], w[k]) in k order, and quantized
+// 8-bit weights are rebuilt exactly as their float32 copies were.
+#pragma once
+
+#include <cstdint>
+
+namespace splitserve_linear {
+
+constexpr int64_t NR = 16;  // output columns per panel
+constexpr int64_t QB = 32;  // inputs per quantized block
+// q4 block: d[16], m[16] float32, then 32 rows of 8 bytes (byte j: column j
+// low nibble, column j + 8 high).  w = d * q + m, computed factored: each
+// block adds d * sum(x q) + m * sum(x) (not bit-equal to the f32 panels).
+constexpr int64_t Q4_BLOCK_BYTES = 2 * NR * 4 + QB * NR / 2;  // 384
+// q8 block: d[16] float32, then 32 rows of 16 int8.  w = d * q (exact: d is
+// a float16 value, q 8 bits, so the product fits float32's 24 bits).
+constexpr int64_t Q8_BLOCK_BYTES = NR * 4 + QB * NR;  // 576
+
+// y[i, col0 + j] = (x[i, :] @ panels)[j] (+ bias[col0 + j]) for i < rows,
+// j < cols (at most np * 16); x rows ldx apart, y rows ldy apart.  `panels`
+// is np consecutive panels, pbytes apart, in the format's layout, K inputs.
+// xs: q4 only, each row's sums of x per block of 32 inputs, rows ldxs apart.
+using RowsTimesPanels = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x,
+                                 int64_t ldx, const float* xs, int64_t ldxs, int64_t rows, const float* bias,
+                                 int64_t col0, int64_t cols, float* y, int64_t ldy);
+
+struct IsaKernels {
+  const char* name;
+  RowsTimesPanels f32, q4, q8;
+};
+
+extern const IsaKernels kScalarKernels;
+extern const IsaKernels kAvx2Kernels;
+extern const IsaKernels kAvx512Kernels;
+
+}  // namespace splitserve_linear

@@ -1,0 +1,160 @@
+"""Float32 linear layers over weights packed once at load for the CPU kernels
+(csrc/linear_cpu.cpp), with exact quantized copies for memory-bound steps.
+
+A model loaded from a GGUF holds float32 weights that are really 4-bit (Q4_1)
+or 8-bit (Q8_0) blocks, recovered exactly at load.
+
+- 4-bit layers run on their blocks at every row count: a block of 32 inputs
+  adds d * sum(x q) + m * sum(x), so no weight is rebuilt per use (a decode
+  step reads 4.5 bits per weight and does one FMA per weight; big steps are
+  as fast as on float32 panels).  One arithmetic for every row count: a
+  row's result never depends on its batch.
+- 8-bit layers (the default model's head) read their blocks for steps of a
+  few rows, rebuilding each weight exactly and accumulating in the float32
+  panels' order, so both paths give the same bits.
+- Everything else reads float32 panels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+
+import torch
+from torch import nn
+
+# Up to this many rows an 8-bit layer reads its blocks (decoding few sequences
+# is memory-bound); beyond, the float32 panels (rebuilding weights costs
+# compute, which bigger steps are bound by).
+Q8_MAX_ROWS = 4
+
+
+def _panel_rows(weight: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
+    """-> (n, k, panels, the weight zero-padded to whole panels of 16 rows,
+    viewed as [p * 16, k / 32, 32] blocks)."""
+    n, k = weight.shape
+    p = (n + 15) // 16
+    w = torch.zeros(p * 16, k, dtype=torch.float32)
+    w[:n] = weight
+    return n, k, p, w.view(p * 16, k // 32, 32)
+
+
+def _per_panel(v: torch.Tensor, p: int, kb: int) -> torch.Tensor:
+    """[p * 16, kb] per-row scales -> [p, kb, 16] (a block's 16 columns together)."""
+    return v.view(p, 16, kb).transpose(1, 2)
+
+
+def q4_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """4-bit weights w[n, k] = d[n, k / 32] * q[n, k] + m[n, k / 32] in
+    kernel.q4_linear's layout, uint8 [P, K/32, 384]: per panel of 16 outputs
+    and block of 32 inputs, d[16] and m[16] as float32, then 32 rows of 8
+    bytes, byte j of row k holding q(k, j) in its low nibble and q(k, j + 8) in
+    its high.  q [N, K] uint8 (0..15), d and m [N, K / 32] float32."""
+    n, k = q.shape
+    p, kb = (n + 15) // 16, k // 32
+    pad = p * 16 - n
+    q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
+    dm = torch.cat([_per_panel(d, p, kb), _per_panel(m, p, kb)], dim=-1)
+    qb = q.view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
+    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+    return torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
+                      nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
+
+
+def q4_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
+    """The weight as exact 4-bit blocks for kernel.q4_linear, if it is one: a
+    matrix dequantized from GGUF Q4_1 (w = d * q + m, q in 0..15, d and m
+    float16, per 32 inputs).  None unless every weight rebuilds bit for bit."""
+    n, k = weight.shape
+    if k % 32:
+        return None
+    w3 = weight.view(n, k // 32, 32)
+    m = w3.amin(-1)
+    d = ((w3.amax(-1) - m) / 15).half().float()
+    if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
+        return None
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = ((w3 - m[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.uint8).view(n, k)
+    blocks = q4_layout(q, d, m)
+    if not torch.equal(kernel.q4_unpack(blocks, n), weight):  # rebuilt as the kernel rebuilds them
+        return None
+    return blocks
+
+
+def q8_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
+    """The weight as exact 8-bit blocks for kernel.q8_linear, if it is one: a
+    matrix dequantized from GGUF Q8_0 (w = d * q, q in -127..127, d float16,
+    per 32 inputs; the head of the default model).  None unless every weight
+    rebuilds bit for bit."""
+    if weight.shape[1] % 32:
+        return None
+    n, k, p, w3 = _panel_rows(weight)
+    d = w3.abs().amax(-1) / 127  # the block's largest |q| is 127, so this is d exactly
+    if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
+        return None
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = (w3 / safe[..., None]).round()
+    if q.abs().amax() > 127:
+        return None
+    kb = k // 32
+    qb = q.to(torch.int8).view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
+    blocks = torch.cat([_per_panel(d, p, kb).contiguous().view(torch.uint8).view(p, kb, 64),
+                        qb.contiguous().view(torch.uint8).view(p, kb, 512)], dim=-1).contiguous()
+    if not torch.equal(kernel.q8_unpack(blocks, n), weight):
+        return None
+    return blocks
+
+
+class PackedLinear(nn.Module):
+    """A float32 linear layer whose weight is packed once for the CPU kernel;
+    the BLAS would repack it on every call, which dominates decode steps of a
+    few rows.  Holds the packed copies only: float32 panels, exact quantized
+    blocks, or both; a 4-bit checkpoint's layer (AWQ, GPTQ) its blocks alone."""
+
+    panels: torch.Tensor | None
+    q4: torch.Tensor | None
+    q8: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernel: ModuleType,
+                 stored: Mapping[str, torch.Tensor] | None = None) -> None:
+        """stored: what stored() returned at an earlier load, or a loader's
+        packed copies by the same suffixes (no packing then)."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        if stored is None:
+            weight = linear.weight.detach()
+            panels = kernel.pack_weight(weight)
+            q4 = q4_blocks(weight, kernel)
+            q8 = None if q4 is not None else q8_blocks(weight, kernel)
+        else:
+            panels, q4, q8 = stored.get(""), stored.get("#q4"), stored.get("#q8")
+            p = (self.out_features + 15) // 16
+            if panels is None and q4 is None:
+                raise ValueError("packed weights: neither float32 panels nor 4-bit blocks")
+            if panels is not None and panels.shape != (p, self.in_features, 16):
+                raise ValueError(f"packed weights: {tuple(panels.shape)} do not fit a "
+                                 f"{self.in_features}->{self.out_features} layer")
+            if q4 is not None and q4.shape[:2] != (p, self.in_features // 32):
+                raise ValueError(f"4-bit weights: {tuple(q4.shape)} do not fit a "
+                                 f"{self.in_features}->{self.out_features} layer")
+        self.register_buffer("panels", panels, persistent=False)
+        self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
+        self.register_buffer("q8", q8 if q8 is not None and q8.numel() else None, persistent=False)
+        self.bias = linear.bias
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The packed copies by suffix ("", "#q4", "#q8"), to save and pass back."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in (("", self.panels), ("#q4", self.q4), ("#q8", self.q8)):
+            if t is not None:
+                out[key] = t
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None:  # every row count: one arithmetic (batch invariance)
+            return self.kernel.q4_linear(x, self.q4, self.out_features, self.bias)
+        if self.q8 is not None and x.numel() <= Q8_MAX_ROWS * self.in_features:
+            return self.kernel.q8_linear(x, self.q8, self.out_features, self.bias)
+        assert self.panels is not None  # a layer without panels has its 4-bit blocks
+        return self.kernel.packed_linear(x, self.panels, self.out_features, self.bias)

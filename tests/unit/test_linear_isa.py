@@ -1,0 +1,136 @@
+"""The linear kernels on every instruction set (scalar, AVX2, AVX-512): each
+path this CPU runs is compared with torch and, bit for bit, with the others;
+a path whose instructions the CPU lacks is skipped, saying so."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.packed_linear import q4_blocks, q8_blocks
+
+ISAS = ("scalar", "avx2", "avx512")
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    return k
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, kernel) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    name = request.param
+    if name not in kernel.supported_isas():
+        pytest.skip(f"this CPU lacks the {name} instructions (it runs {kernel.supported_isas()})")
+    before = kernel.isa()
+    kernel.set_isa(name)
+    try:
+        yield name
+    finally:
+        kernel.set_isa(before)
+
+
+def q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF Q4_1 dequantizes: d * q + m per 32 inputs, d and m float16."""
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    m = (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer puts each block's min at 0 and max at 15
+    return (d * q + m).reshape(n, k)
+
+
+def q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF Q8_0 dequantizes: d * q per 32 inputs, |q| <= 127 with 127 reached."""
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, -1.0, 1.0)
+    return (d * q).reshape(n, k)
+
+
+# Rows around the wide (several panels at once) and the per-row-block kernels,
+# columns that are and are not whole panels and groups of panels.
+ROWS = (1, 2, 3, 4, 5, 13, 200)
+SHAPES = ((64, 16), (96, 50), (128, 200), (576, 1536))
+
+
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_every_format_matches_torch_and_is_exact_across_formats(kernel, isa: str, n_in: int,
+                                                                n_out: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(n_in * 7 + n_out)
+    for w in (q4_weight(n_out, n_in, gen), q8_weight(n_out, n_in, gen)):
+        panels = kernel.pack_weight(w)
+        q4, q8 = q4_blocks(w, kernel), q8_blocks(w, kernel)
+        assert (q4 is None) != (q8 is None), "each test weight is exactly one of the formats"
+        bias = torch.randn(n_out, generator=gen)
+        for m in ROWS:
+            x = torch.randn(m, n_in, generator=gen)
+            y = kernel.packed_linear(x, panels, n_out, bias)
+            torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+            if q4 is not None:  # factored sums: close to torch, and a row's result is its own
+                y4 = kernel.q4_linear(x, q4, n_out, bias)
+                torch.testing.assert_close(y4, F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+                for i in (0, m // 2, m - 1):
+                    assert torch.equal(kernel.q4_linear(x[i:i + 1], q4, n_out, bias)[0], y4[i]), \
+                        f"q4, row {i} of {m} differs alone, {isa}"
+            if q8 is not None:  # bit for bit: the same weights, the same order of sums
+                assert torch.equal(kernel.q8_linear(x, q8, n_out, bias), y), f"q8, {m} rows, {isa}"
+
+
+def test_every_instruction_set_computes_the_same_bits(kernel) -> None:  # type: ignore[no-untyped-def]
+    """A step's tokens never depend on the machine's kernel family: every set
+    this CPU runs gives the same float32 results, for every format."""
+    isas = kernel.supported_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only {isas}: nothing to compare")
+    gen = torch.Generator().manual_seed(3)
+    w4, w8 = q4_weight(200, 576, gen), q8_weight(200, 576, gen)
+    p4, p8 = kernel.pack_weight(w4), kernel.pack_weight(w8)
+    b4, b8 = q4_blocks(w4, kernel), q8_blocks(w8, kernel)
+    results: dict[str, list[torch.Tensor]] = {}
+    before = kernel.isa()
+    try:
+        for name in isas:
+            kernel.set_isa(name)
+            results[name] = [f(torch.randn(m, 576, generator=torch.Generator().manual_seed(m)))
+                             for m in ROWS
+                             for f in (lambda x: kernel.packed_linear(x, p4, 200),
+                                       lambda x: kernel.q4_linear(x, b4, 200),
+                                       lambda x: kernel.packed_linear(x, p8, 200),
+                                       lambda x: kernel.q8_linear(x, b8, 200))]
+    finally:
+        kernel.set_isa(before)
+    first = isas[0]
+    for name in isas[1:]:
+        for a, b in zip(results[first], results[name], strict=True):
+            assert torch.equal(a, b), f"{name} differs from {first}"
+
+
+def test_the_best_set_is_picked_and_unknown_sets_are_refused(kernel) -> None:  # type: ignore[no-untyped-def]
+    from engine.layers.cpu_features import has
+
+    expect = ("avx512" if has("avx512f") and has("avx512bw") and has("avx512vl")
+              else "avx2" if has("avx2") and has("fma") else "scalar")
+    assert expect in kernel.supported_isas()
+    if not os.environ.get("SPLITSERVE_LINEAR_ISA"):  # the override picks its own
+        assert kernel.isa() == expect
+    with pytest.raises(RuntimeError, match="not one of"):
+        kernel.set_isa("sse9")
+    missing = [name for name in ISAS if name not in kernel.supported_isas()]
+    for name in missing:
+        with pytest.raises(RuntimeError, match="lacks"):
+            kernel.set_isa(name)
+
+
+def test_q8_blocks_refuse_what_is_not_8_bit(kernel) -> None:  # type: ignore[no-untyped-def]
+    assert q8_blocks(torch.randn(32, 64), kernel) is None  # arbitrary floats
+    assert q8_blocks(torch.randn(32, 48), kernel) is None  # inputs not a multiple of 32
+    w = q8_weight(16, 64, torch.Generator().manual_seed(1))
+    w[3, 5] += 1e-4  # one weight off the grid
+    assert q8_blocks(w, kernel) is None
