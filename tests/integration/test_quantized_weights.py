@@ -173,6 +173,8 @@ def test_gguf_type_matches_its_dequantized_weights(qtype, tmp_path, private_cach
         assert four_bit == model.linear_names()
         layer = model.layers[1].qkv_proj
         x = torch.randn(1, layer.in_features)
-        assert torch.equal(layer(x), layer.kernel.packed_linear(x, layer.panels, layer.out_features))
+        assert torch.equal(layer(x), layer.kernel.q4_linear(x, layer.q4, layer.out_features, None))
+        torch.testing.assert_close(layer(x), layer.kernel.packed_linear(x, layer.panels, layer.out_features),
+                                   rtol=1e-5, atol=1e-5)
     else:  # no 4-bit form: float32 weights dequantized at load
         assert four_bit == []
