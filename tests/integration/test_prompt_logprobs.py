@@ -7,6 +7,7 @@ worker's stream) and a short one prefilled on the decode worker itself
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -115,7 +116,10 @@ def test_split_and_colocated_match_transformers(stack, hf_logprobs, tokenizer) -
             choices = r.json()["choices"]
             for c in choices:  # the third call repeats the first: a warm prefix takes no shortcut
                 check(ids, rest_entries(c["prompt_logprobs"]), hf_logprobs(ids), K)
-            assert counters(url)[where] >= before + 1
+            deadline = time.monotonic() + 30  # /cluster's counters come with the next load report
+            while counters(url)[where] < before + 1:
+                assert time.monotonic() < deadline, (where, before, counters(url))
+                time.sleep(0.05)
         r = http.post(f"{url}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 2,
             "temperature": 0, "prompt_logprobs": 1})
