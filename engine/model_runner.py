@@ -107,7 +107,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
                 tensors[name] = st.get_tensor(name)
     with bare_modules():
         model = LlamaForCausalLM(spec)
-    model = model.to_empty(device="cpu").to(dtype)
+    # Storage for the meta tensors.  Not Module.to_empty: its empty_like on meta
+    # tensors imports torch's reference ops and sympy, seconds of every start.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype)).to(dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     kernel = load_linear_kernel() if device.type == "cpu" and dtype == torch.float32 else None
