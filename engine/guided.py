@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -78,9 +78,9 @@ class GrammarCompiler:
     """Compiles specs once per (kind, spec) (xgrammar caches compiled grammars)
     and makes matchers.  Thread-safe: servicers compile off the engine thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Iterable[int],
                  max_threads: int = 1) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer  # -> transformers' tokenizer (loaded with the first grammar)
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._max_threads = max_threads
@@ -88,11 +88,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _get(self) -> Any:
-        with self._lock:  # the tokenizer info takes ~0.2 s: built on the first grammar, not at start
+        # The tokenizer info takes ~0.2 s (and transformers' tokenizer ~1 s to
+        # load): built on the first grammar, not at start.
+        with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
             return self._compiler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -14,7 +15,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_handoff import KVHandoff
 from engine.lora import LoRAAdapter
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_tokenizer, model_name, resolve_model
+from engine.models.loader import load_text_tokenizer, load_tokenizer, model_name, resolve_model
 from engine.outputs import Logprob, PositionLogprobs, PromptLogprobs, StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
@@ -28,6 +29,7 @@ from engine.vocab.hashing import cache_model_key, extra_keys
 from engine.vocab.lora_request import LoRARequest
 from engine.vocab.models import model_id
 from engine.vocab.sampling_params import SamplingParams
+from engine.vocab.tokenizer import TextTokenizer
 from kvtransfer.layout import KVLayout
 
 
@@ -36,10 +38,15 @@ class LLMEngine:
         model_dir = resolve_model(config.model.model)
         self.model_name = model_name(config.model.model)  # what metrics and users call it
         self.model_id = model_id(config.model.model)  # name + weights digest: identity between workers
-        self.tokenizer = load_tokenizer(model_dir)
+        self._model_dir = model_dir
+        # Encoding, decoding, the vocabulary: without transformers where the
+        # model allows (engine/vocab/tokenizer.py); `tokenizer` is transformers'.
+        self.text_tokenizer = load_text_tokenizer(model_dir)
+        self._tokenizer = None if isinstance(self.text_tokenizer, TextTokenizer) else self.text_tokenizer
+        self._tokenizer_lock = threading.Lock()
         hf_cfg = json.loads((model_dir / "config.json").read_text())
         # Before the weights load: a configuration that cannot work fails fast.
-        draft_dir = check_speculative_config(config.speculative, hf_cfg, self.tokenizer)
+        draft_dir = check_speculative_config(config.speculative, hf_cfg, self.text_tokenizer)
         self.runner = ModelRunner(model_dir, config.model, config.cache, config.scheduler.max_num_seqs)
         if config.lora.enabled:
             self.runner.enable_lora(config.lora.max_loras, config.lora.max_lora_rank)
@@ -49,7 +56,7 @@ class LLMEngine:
         max_len = min(config.scheduler.max_model_len, spec.max_position_embeddings)
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_len))
         self.vocab_size = spec.vocab_size
-        self.eos_token_ids = _eos_ids(hf_cfg, model_dir, self.tokenizer)
+        self.eos_token_ids = _eos_ids(hf_cfg, model_dir, self.text_tokenizer)
         # Block hashes: blocks of other weights, dtypes or KV dtypes never match.
         self.cache_model_key = cache_model_key(self.model_id, _dtype_name(self.runner.dtype),
                                                _dtype_name(self.runner.kv_dtype))
@@ -64,13 +71,22 @@ class LLMEngine:
         if config.speculative.enabled:
             self.spec = make_speculative_decoder(config.speculative, self.runner, draft_dir)
         # Structured output; xgrammar loads with the first request that has a grammar.
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.model.seed)
         # Monotonic counters for metrics and tests.
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._token_texts: dict[int, str] = {}  # logprobs name each token by its text
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        """transformers' tokenizer for the model (chat templates, grammars),
+        loaded on first use: importing transformers costs about a second."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self._model_dir)
+            return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -80,7 +96,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return list(self.text_tokenizer.encode(prompt, add_special_tokens=True))
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
@@ -106,7 +122,7 @@ class LLMEngine:
                                 arrival_time=arrival_time, hold_blocks=hold_blocks,
                                 num_resumed_tokens=num_resumed_tokens, lora=lora, lora_digest=lora_digest)
         self.scheduler.add_request(req)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self._detok[request_id] = IncrementalDetokenizer(self.text_tokenizer, req.prompt_token_ids, params)
         return req
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -187,7 +203,7 @@ class LLMEngine:
         block_ids = self.scheduler.reserve_remote(req)
         if block_ids is None:
             return None
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self._detok[request_id] = IncrementalDetokenizer(self.text_tokenizer, req.prompt_token_ids, params)
         adapter = req.lora  # the engine's LoRAAdapter, or None
         return KVHandoff(request_id, tuple(block_ids), req.num_computed_tokens // self.kv.block_size,
                          self.kv_layout,
@@ -305,7 +321,7 @@ class LLMEngine:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = self.text_tokenizer.decode([token_id])
         return text
 
 

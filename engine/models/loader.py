@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.vocab.models import cache_dir, converted_dir, is_converted, model_name, model_source
 
-__all__ = ["cache_dir", "gguf_source", "load_tokenizer", "model_name", "resolve_model"]
+__all__ = ["cache_dir", "gguf_source", "load_text_tokenizer", "load_tokenizer", "model_name", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ def _convert_gguf(gguf: Path) -> Path:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_text_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    """What the engine encodes, decodes and reads the vocabulary with: the
+    transformers-free tokenizer (engine/vocab/tokenizer.py) where it is the
+    model's own, else transformers'."""
+    from engine.vocab.tokenizer import TextTokenizer, text_tokenizer_applies
+
+    if text_tokenizer_applies(Path(model_dir)):
+        return TextTokenizer(Path(model_dir))
+    return load_tokenizer(model_dir)
 
 
 def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]

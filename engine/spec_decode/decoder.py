@@ -93,7 +93,7 @@ def check_speculative_config(config: SpeculativeConfig, target_hf_config: Mappin
                              f"got {config.num_layers}")
     if config.method != "draft":
         return None
-    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.models.loader import load_text_tokenizer, resolve_model
 
     try:
         draft_dir = resolve_model(config.model)
@@ -106,7 +106,7 @@ def check_speculative_config(config: SpeculativeConfig, target_hf_config: Mappin
                              f"from the target's ({target_hf_config.get(key)}); a draft must share the "
                              f"target's tokenizer")
     if any((draft_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        draft_vocab, target_vocab = load_tokenizer(draft_dir).get_vocab(), tokenizer.get_vocab()
+        draft_vocab, target_vocab = load_text_tokenizer(draft_dir).get_vocab(), tokenizer.get_vocab()
         if draft_vocab != target_vocab:
             diff = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()))
             raise ValueError(f"speculative_config.model: the draft's tokenizer differs from the target's "

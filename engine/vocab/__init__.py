@@ -8,6 +8,7 @@ the prefix index and the workers' protobuf edge share with the engine.
     logprobs         a generated position's logprobs, as the engine hands them back
     models           where a model lives on disk and what it is called
     lora_request     which LoRA adapter a request uses (name, path, digest)
+    tokenizer        encode / decode / vocabulary without transformers (tokenizer.json)
 
 Nothing here imports torch or the rest of the engine (tests/unit/test_architecture.py
 checks it), so importing it costs milliseconds.  See docs/ARCHITECTURE.md.

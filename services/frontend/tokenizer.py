@@ -19,29 +19,22 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as _HFTokenizer
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                 "mask_token")
+from engine.vocab.tokenizer import TextTokenizer, read_json
 
 
 class ChatTemplateError(ValueError):
     pass
 
 
-class Tokenizer:
+class Tokenizer(TextTokenizer):
     def __init__(self, model_dir: Path) -> None:
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"model: {model_dir} has no tokenizer.json")
-        self._tok = _HFTokenizer.from_file(str(path))
-        config = _read_json(model_dir / "tokenizer_config.json")
-        self.special_tokens = {k: _token_text(config[k]) for k in _SPECIAL_KEYS if config.get(k)}
-        source = _chat_template_source(model_dir, config)
+        super().__init__(model_dir)
+        source = _chat_template_source(model_dir, self.config)
         self._template = _compile(source)
         # Templates that render `tools` get them; others get a system message (services/frontend/tools.py).
         self.renders_tools = source is not None and "tools" in source
-        model_config = _read_json(model_dir / "config.json")
+        model_config = read_json(model_dir / "config.json")
         # The model's vocabulary (embedding rows) may be larger than the tokenizer's.
         self.vocab_size = int(model_config.get("vocab_size") or self._tok.get_vocab_size(True))
 
@@ -49,15 +42,8 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The batch call lets go of the GIL while it works (encode() holds it: a
-        # 1 MiB prompt froze every other thread, the event loop's included, for
-        # 1.5 s); the fast variant skips the character offsets nobody here reads.
-        encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return list(encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return super().decode(ids, skip_special_tokens)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
@@ -74,14 +60,6 @@ class Tokenizer:
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered text already holds the template's special tokens.
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _token_text(token: Any) -> str:
-    return str(token["content"]) if isinstance(token, dict) else str(token)
 
 
 def _chat_template_source(model_dir: Path, config: dict[str, Any]) -> str | None:
