@@ -13,8 +13,8 @@ its best dtype for this machine, side by side:
 
 Each serving number comes from `splitserve bench serve` against a running
 server.  splitserve runs in float32 and, where the CPU has native bf16, in
-`--dtype auto` too (bf16 for a server); vLLM in bf16 where native, float32
-elsewhere; llama.cpp on the model's own GGUF.  The report names the CPU and
+bfloat16 too (the disaggregated stack in `--dtype auto`); vLLM in bf16 where
+native, float32 elsewhere; llama.cpp on the model's own GGUF.  The report names the CPU and
 its flags and says per target "met" or "not met" (or what was not measured).
 
     python -m benchmarks.targets [--vllm-python /tmp/vllm-venv/bin/python]
@@ -317,8 +317,9 @@ def main() -> int:
                               f"{disagg.start_s:.1f} s (target <= 10 s): {verdict(ok)}")
             if 1 in only:
                 r.bench(disagg, "mixed")
-    # float32 everywhere; auto too where it means bf16 (a server on a bf16-native CPU)
-    for dtype in ("float32", "auto") if native else ("float32",):
+    # float32 everywhere; bfloat16 too where it is native (dtype=auto picks one of them)
+    report.append(f"0. dtype=auto serves {served_dtype('auto')} on this CPU")
+    for dtype in ("float32", "bfloat16") if native else ("float32",):
         if not only & {1, 2, 3, 4}:
             break
         with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype) as coloc:

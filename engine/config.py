@@ -17,8 +17,8 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default model
-    # auto: bfloat16 where it is fast (GPUs, CPUs with AMX or AVX512-BF16), else float32;
-    # on those CPUs float32 too for engines of few sequences (model_runner.resolve_dtype).
+    # auto: bfloat16 on GPUs and, for engines of many sequences, on CPUs with AMX;
+    # float32 elsewhere (model_runner.resolve_dtype).
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when present, else cpu
     seed: int = 0

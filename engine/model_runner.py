@@ -20,7 +20,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
-from engine.layers.cpu_features import fast_bf16
+from engine.layers.cpu_features import amx_bf16, fast_bf16
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
@@ -43,27 +43,33 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# Up to this many sequences a step, `auto` on a CPU runs float32 on the packed
-# kernels even where bf16 is native: measured on an AVX512-BF16 EPYC (Zen 4,
-# benchmarks/README.md), a single-stream decode step cost 20-24 ms of CPU in
-# float32 (exact 4-bit weights) against 100 in bf16, 32 sequences the same in
-# both, and a 512-token prefill 1.5x as much in float32.  So engines meant for
-# few streams get float32, engines batching many (the servers' default) bf16.
+# dtype=auto on CPUs with native bf16.  Measured side by side on an
+# AVX512-BF16 EPYC without AMX (Zen 4, 2 cores; benchmarks/README.md, issue 16's
+# targets run), one server each way: float32 on the packed kernels (exact 4-bit
+# weights) served a mixed workload at 115 tok/s against bf16's 100, 32 streams
+# at 260 against 225 and one stream at 49 against 15; only a long prefill ran
+# faster in bf16 (2,000 tokens in 2.9 s against 6.0).  So without AMX auto is
+# float32 at every batch size.  With AMX, whose bf16 tiles multiply several
+# times faster than AVX-512, engines batching many sequences get bf16, and
+# engines of up to this many sequences float32 (a decode step of one row is
+# memory-bound: the 4-bit blocks read 4.5 bits a weight, bf16 16).
 AUTO_FLOAT32_MAX_SEQS = 4
 
 
 def resolve_dtype(name: str, device: torch.device, max_num_seqs: int | None = None) -> torch.dtype:
     """On CPUs without native bf16, bf16 matmuls are several times slower than
     float32 (seen: 6x on an AVX2-only EPYC), so auto picks float32 there; on
-    CPUs with it, float32 when the engine runs few sequences (see above)."""
+    CPUs with it, see above."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
     if not fast_bf16():
         return torch.float32
+    if load_linear_kernel() is None:
+        return torch.bfloat16  # float32 would be torch's BLAS path
     few = max_num_seqs is not None and max_num_seqs <= AUTO_FLOAT32_MAX_SEQS
-    return torch.float32 if few and load_linear_kernel() is not None else torch.bfloat16
+    return torch.bfloat16 if amx_bf16() and not few else torch.float32
 
 
 def available_memory(device: torch.device) -> int:
