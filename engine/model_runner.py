@@ -47,9 +47,10 @@ def resolve_device(name: str) -> torch.device:
 # AVX512-BF16 EPYC without AMX (Zen 4, 2 cores; benchmarks/README.md, issue 16's
 # targets run), one server each way: float32 on the packed kernels (exact 4-bit
 # weights) served a mixed workload at 115 tok/s against bf16's 100, 32 streams
-# at 260 against 225 and one stream at 49 against 15; only a long prefill ran
-# faster in bf16 (2,000 tokens in 2.9 s against 6.0).  So without AMX auto is
-# float32 at every batch size.  With AMX, whose bf16 tiles multiply several
+# at 260 against 225 and one stream at 49 against 15.  Prefill-heavy work ran
+# faster in bf16 (2,000 tokens in 3.1 s against 3.9; offline batches of 64
+# prompts 203 tok/s against 126), so users of big offline batches pass bfloat16;
+# servers, auto's main users, get float32 at every batch size without AMX.  With AMX, whose bf16 tiles multiply several
 # times faster than AVX-512, engines batching many sequences get bf16, and
 # engines of up to this many sequences float32 (a decode step of one row is
 # memory-bound: the 4-bit blocks read 4.5 bits a weight, bf16 16).
