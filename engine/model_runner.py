@@ -50,8 +50,9 @@ def resolve_device(name: str) -> torch.device:
 # at 260 against 225 and one stream at 49 against 15.  Prefill-heavy work ran
 # faster in bf16 (2,000 tokens in 3.1 s against 3.9; offline batches of 64
 # prompts 203 tok/s against 126), so users of big offline batches pass bfloat16;
-# servers, auto's main users, get float32 at every batch size without AMX.  With AMX, whose bf16 tiles multiply several
-# times faster than AVX-512, engines batching many sequences get bf16, and
+# servers, auto's main users, get float32 at every batch size without AMX.
+# With AMX, whose bf16 tiles multiply several times faster than AVX-512,
+# engines batching many sequences get bf16, and
 # engines of up to this many sequences float32 (a decode step of one row is
 # memory-bound: the 4-bit blocks read 4.5 bits a weight, bf16 16).
 AUTO_FLOAT32_MAX_SEQS = 4
@@ -301,7 +302,7 @@ class ModelRunner:
         them, the prompt logprobs this step computed.  draft_probs: the
         proposal distributions [k, V] of drafts that were sampled (not one-hot)."""
         # Decodes and verifications first: the attention path batches them.
-        seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.spec_token_ids))
+        seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.rows_as_decodes))
         sampling = [s for s in seqs if s.sample]
         # Grammar masks are filled on another thread while the forward runs.
         masks = None
@@ -362,10 +363,10 @@ def _first(bitmask: torch.Tensor | None) -> torch.Tensor | None:
 
 def seq_chunk(seq: ScheduledSeq) -> Chunk:
     """A scheduled sequence's query tokens: known tokens, then any drafts
-    (verified as one-token rows)."""
+    (verified as one-token rows, as are output tokens computed again)."""
     known_end = seq.start + seq.num_new_tokens - len(seq.spec_token_ids)
     return Chunk(seq.request.all_token_ids[seq.start:known_end] + seq.spec_token_ids, seq.start,
-                 seq.block_ids, expand=bool(seq.spec_token_ids))
+                 seq.block_ids, expand=seq.rows_as_decodes)
 
 
 def default_threads() -> int:

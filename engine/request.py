@@ -96,6 +96,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_generated_from(self) -> int:
+        """Position of the first token this request generated (here, or
+        elsewhere before a migration: the resumed tokens end its prompt)."""
+        return self.num_prompt_tokens - self.num_resumed_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -46,6 +46,14 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.start > 0
 
+    @property
+    def rows_as_decodes(self) -> bool:
+        """Attend each query token as a one-token row, the way decode steps do:
+        drafts under verification, and output tokens computed again (relayed
+        by a migration, or after a preemption).  Their KV then holds the bits
+        decoding wrote, so a resumed seeded stream goes on exactly."""
+        return bool(self.spec_token_ids) or (self.start > 0 and self.start >= self.request.num_generated_from)
+
 
 @dataclass
 class SchedulerOutput:
@@ -59,6 +67,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+
+def chunk_end(req: Request, start: int, budget: int) -> int:
+    """Tokens to compute from `start` this step: up to the budget, and a chunk
+    of the prompt never runs into output tokens computed again (those are
+    computed as decode rows: ScheduledSeq.rows_as_decodes)."""
+    end = min(req.num_tokens, start + budget)
+    if start < req.num_generated_from:
+        end = min(end, req.num_generated_from)
+    return end - start
 
 
 class Scheduler:
@@ -168,7 +186,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             drafts = self._take_drafts(req, budget)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget) + len(drafts)
+            num_new = chunk_end(req, req.num_computed_tokens, budget) + len(drafts)
             while self.kv.allocate_slots(req, num_new) is None:
                 if drafts:  # speculation never preempts anyone
                     num_new -= len(drafts)
@@ -200,7 +218,7 @@ class Scheduler:
             num_hit_tokens = 0
             if req.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
+            num_new = chunk_end(req, req.num_computed_tokens + num_hit_tokens, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 return  # head of line waits for blocks
             heapq.heappop(self._waiting)

@@ -101,6 +101,35 @@ def test_resumed_seeded_request_continues_as_undisturbed(llm) -> None:  # type: 
     assert free_equals_total(llm)
 
 
+def test_resumed_tokens_compute_what_decoding_computed(llm) -> None:  # type: ignore[no-untyped-def]
+    """The relayed tokens of a resumed request are computed as decode rows (the
+    attention kernel decoding used, one row per token), not as a prompt: at any
+    cut, the resumed request samples the undisturbed run's tokens from the very
+    same logprobs, bit for bit.  Before, they were prefilled like a prompt and a
+    draw near a CDF boundary could pick another token (tokens 8, 31 and 42 of
+    test_failover's seeded stream)."""
+    params = SamplingParams(temperature=0.9, seed=4242, max_tokens=24, ignore_eos=True,
+                            repetition_penalty=1.2, frequency_penalty=0.4, logprobs=3)
+    prompt = llm.engine.text_tokenizer.encode(PROMPTS[4])
+    whole = llm.generate([prompt], params)[0].outputs[0]
+
+    def floats(steps) -> list[dict[int, float]]:  # type: ignore[no-untyped-def]
+        return [{t: lp.logprob for t, lp in step.items()} for step in steps]
+
+    for cut in (1, 2, 5, 8, 13, 21):
+        llm.engine.add_request(f"exact-{cut}", [*prompt, *whole.token_ids[:cut]],
+                               dataclasses.replace(params, max_tokens=24 - cut), num_resumed_tokens=cut)
+        tokens: list[int] = []
+        steps: list = []  # type: ignore[type-arg]
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                tokens += o.new_token_ids
+                steps += o.new_logprobs or []
+        assert whole.token_ids[:cut] + tokens == whole.token_ids, cut
+        assert floats(steps) == floats(whole.logprobs)[cut:], cut  # the same floats, not just the same tokens
+    assert free_equals_total(llm)
+
+
 def test_n_samples_share_the_prompt(llm) -> None:  # type: ignore[no-untyped-def]
     out = llm.generate(PROMPTS[4], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5,
                                                   ignore_eos=True))[0]
