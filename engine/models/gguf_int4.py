@@ -98,10 +98,10 @@ def gguf_int4(path: Path, floats: dict[str, torch.Tensor], num_heads: int,
     """The 4-bit linear weights of the GGUF at `path` by Hugging Face name,
     each one only if it rebuilds `floats[name]` (the converted weights): a
     few rows checked here, every weight by pack_linears."""
-    from gguf import GGUFReader
+    from engine.models.gguf_index import gguf_tensors
 
     out: dict[str, Int4Weight] = {}
-    for t in GGUFReader(str(path)).tensors:
+    for t in gguf_tensors(path):
         name = hf_name(t.name)
         if name is None or name not in floats:
             continue
