@@ -179,7 +179,7 @@ def policy_runs(stack):  # type: ignore[no-untyped-def]
     """Acceptance 1's workload on the kv-aware and the round-robin frontend, each
     with its own shared prefix (so neither benefits from the other's run)."""
     kv_url, rr_url, _ = stack["urls"]
-    n = 16
+    n = 12
     kv = shared_prefix_run(kv_url, seed=1, n=n)
     time.sleep(0.5)  # the load reports catch up with the last request's counters
     rr = shared_prefix_run(rr_url, seed=2, n=n)
