@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",

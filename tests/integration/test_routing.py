@@ -251,7 +251,7 @@ def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # 
     # wide on purpose: with 16 clients the holder's queue passes 5 however fast
     # the engine is (a 24-token suffix put the break-even at about 15 queued, which
     # a fast prefill worker did not always reach).
-    clients, rounds, suffix = 16, 2, 160
+    clients, rounds, suffix = 16, 1, 160
     flood = clients * rounds
 
     def client(_: int) -> None:

@@ -1,5 +1,7 @@
 """engine/models/gguf_index.py reads a GGUF's tensors as gguf's own reader
-does (names, types, shapes, the same bytes), skipping the metadata."""
+does (names, types, shapes, the same bytes), skipping the metadata.  (The
+default model's Q4_1 tensors are checked on every load: pack_linears holds
+each recovered 4-bit weight equal to the converted floats, bit for bit.)"""
 
 from __future__ import annotations
 
@@ -28,15 +30,6 @@ def test_tiny_ggufs_of_each_type(tmp_path: Path, qtype: str) -> None:
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_tiny_gguf(str(path), qtype)
     assert qtype in same_as_gguf_reader(path)
-
-
-def test_the_default_model(model_dir) -> None:  # type: ignore[no-untyped-def]
-    from engine.models.loader import gguf_source
-
-    gguf = gguf_source(model_dir)
-    if gguf is None:
-        pytest.skip("the default model was not converted from a GGUF here")
-    assert "Q4_1" in same_as_gguf_reader(gguf)
 
 
 def test_not_a_gguf_is_refused(tmp_path: Path) -> None:
