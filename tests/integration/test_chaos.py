@@ -1,7 +1,7 @@
 """Chaos (issue 13), CI-sized: `splitserve up --prefill 1 --decode 2` with
 its prefix index in Redis, under a steady load of greedy and seeded sampled
 streams, while a seeded schedule SIGKILLs, SIGSTOPs (then SIGCONTs) or
-SIGTERMs a random worker or Redis for SPLITSERVE_CHAOS_SECONDS (default 40).
+SIGTERMs a random worker or Redis for SPLITSERVE_CHAOS_SECONDS (default 30).
 Every stream ends with exactly the undisturbed run's tokens or a clean gRPC
 error; none is lost (wrong tokens, hung, cut without a status).  A seeded
 stream resumed after a migration is exact too: the new worker computes the
@@ -46,7 +46,7 @@ CLEAN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.S
 
 
 def test_chaos_every_stream_exact_or_cleanly_failed(tmp_path: Path) -> None:
-    seconds = float(os.environ.get("SPLITSERVE_CHAOS_SECONDS", "40"))
+    seconds = float(os.environ.get("SPLITSERVE_CHAOS_SECONDS", "30"))
     seed = int(os.environ.get("SPLITSERVE_CHAOS_SEED", str(random.randrange(1 << 30))))
     print(f"chaos: seed {seed} (SPLITSERVE_CHAOS_SEED={seed} replays it), {seconds:.0f} s")
     redis = RedisServer().start()
