@@ -51,19 +51,30 @@ def outcomes(junit: Path) -> dict[str, str]:
     return out
 
 
+def chaos_lines(junit: Path) -> list[str]:
+    """The chaos test's figures (its `chaos: seed ...` lines), from one run's captured output."""
+    if not junit.exists():
+        return []
+    return [line.strip() for case in ET.parse(junit).getroot().iter("testcase")
+            for out in case.iter("system-out") for line in (out.text or "").splitlines()
+            if line.startswith("chaos: seed") and "faults" in line]
+
+
 def main() -> int:
     runs = int(os.environ.get("FLAKY_RUNS", "20"))
     tests = shlex.split(os.environ.get("FLAKY_TESTS", "")) or DEFAULT_TESTS
     failures: collections.Counter[str] = collections.Counter()
     seen: collections.Counter[str] = collections.Counter()
     broken_runs = 0  # runs that ended without a report (a crash, a collection error)
+    chaos: list[str] = []
     with tempfile.TemporaryDirectory(prefix="flaky-") as tmp:
         for i in range(1, runs + 1):
             junit = Path(tmp) / f"run{i}.xml"
             start = time.monotonic()
             rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                  f"--junitxml={junit}", f"--basetemp={tmp}/base{i}", *tests], cwd=ROOT)
+                                  "-o", "junit_logging=system-out", f"--junitxml={junit}", f"--basetemp={tmp}/base{i}", *tests], cwd=ROOT)
             results = outcomes(junit)
+            chaos += chaos_lines(junit)
             if rc not in (0, 1) or not results:
                 broken_runs += 1
             for name, outcome in results.items():
@@ -72,6 +83,8 @@ def main() -> int:
             print(f"flaky: run {i}/{runs}: exit {rc}, {sum(o == 'failed' for o in results.values())} failed, "
                   f"{time.monotonic() - start:.0f} s", flush=True)
     print(f"\nflaky: {runs} runs of {' '.join(tests)}")
+    for line in chaos:
+        print(f"  {line}")
     for name in sorted(seen, key=lambda n: (-failures[n], n)):
         if failures[name]:
             print(f"  FAILED {failures[name]:3d}/{seen[name]}  {name}")
