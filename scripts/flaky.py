@@ -72,7 +72,8 @@ def main() -> int:
             junit = Path(tmp) / f"run{i}.xml"
             start = time.monotonic()
             rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                  "-o", "junit_logging=system-out", f"--junitxml={junit}", f"--basetemp={tmp}/base{i}", *tests], cwd=ROOT)
+                                  "-o", "junit_logging=system-out", f"--junitxml={junit}",
+                                  f"--basetemp={tmp}/base{i}", *tests], cwd=ROOT)
             results = outcomes(junit)
             chaos += chaos_lines(junit)
             if rc not in (0, 1) or not results:

@@ -141,21 +141,15 @@ def decode_counters(address: str) -> dict[str, float]:
     return dict(first_report(address, pb_grpc.DecodeStub, lambda r: True).counters)
 
 
-def kill_once_computing(victim: Proc, timeout: float = 120) -> pb.LoadReport:
-    """SIGKILL `victim` as soon as its own load report shows prompts being
-    computed (running, tokens still to compute); returns that report."""
-    report = first_report(victim.address, pb_grpc.PrefillStub,
-                          lambda r: r.running >= 1 and r.queued_prompt_tokens > 0, timeout)
-    victim.kill()
-    return report
-
-
 def run_and_kill(victim: Proc, decode: str, prompts: list[list[int]],
-                 call: Callable[[int], list[int]]) -> tuple[list[list[int] | Exception], pb.LoadReport,
-                                                            dict[str, float]]:
-    """The prompts at once through `call`; the victim killed mid-prefill.
-    Returns each call's tokens (or error), the victim's last report, and how
-    much the decode worker's transfer counters rose."""
+                 call: Callable[[int], list[int]], timeout: float = 120,
+                 ) -> tuple[list[list[int] | Exception], pb.LoadReport, dict[str, float]]:
+    """The prompts at once through `call`; the victim SIGKILLed as soon as its
+    own load report shows prompts being computed (running, tokens still to
+    compute).  The victim's report stream is open before the first request
+    starts, so no computing window can pass unseen.  Returns each call's
+    tokens (or error), the report the kill followed, and how much the decode
+    worker's transfer counters rose."""
     before = decode_counters(decode)
     results: dict[int, list[int] | Exception] = {}
 
@@ -166,9 +160,24 @@ def run_and_kill(victim: Proc, decode: str, prompts: list[list[int]],
             results[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    report = kill_once_computing(victim)
+    seen: list[pb.LoadReport] = []
+    with grpc.insecure_channel(victim.address) as ch:
+        reports = pb_grpc.PrefillStub(ch).WatchLoad(pb.LoadRequest(interval_seconds=0.05), timeout=timeout)
+        seen.append(next(reports))  # the stream is live
+        for t in threads:
+            t.start()
+        try:
+            for report in reports:
+                seen.append(report)
+                if report.running >= 1 and report.queued_prompt_tokens > 0:
+                    victim.kill()
+                    break
+            else:
+                raise AssertionError("the load stream ended")
+        except (grpc.RpcError, AssertionError) as e:
+            raise AssertionError(f"{victim.address}: never seen computing ({e}); "
+                                 f"last reports {seen[-3:]}") from e
+        reports.cancel()
     for t in threads:
         t.join(timeout=180)
     after = decode_counters(decode)

@@ -148,6 +148,16 @@ struct F32 {
   }
 };
 
+// The quantized formats stream their panels from memory once a step (a
+// model's weights do not fit in cache); the hardware prefetcher alone kept
+// the 4-bit kernel at half the memory's rate, so each block asks for the one
+// Q4_AHEAD blocks further along its panel (past a panel's end, the panels
+// after it: the next call's).  A prefetch never faults and changes no result.
+constexpr int64_t Q4_AHEAD = 4;
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+}
+
 // 4-bit blocks, factored: w = d * q + m, so a block of 32 inputs adds
 // d * sum(x q) + m * sum(x) to each output.  The sum over x q runs on the
 // small integers q as floats (no per-weight rebuild), sum(x) once per row and
@@ -160,6 +170,9 @@ struct Q4 {
                   int64_t ldxs, float* tile) {
     Acc<R> acc[NP];
     for (int64_t kb = 0; kb < K / QB; ++kb) {
+      // Near a panel's end, the start of the panels the next call reads (they follow these in memory).
+      const int64_t ahead = kb + Q4_AHEAD < K / QB ? kb + Q4_AHEAD : kb + Q4_AHEAD - K / QB + NP * (K / QB);
+      for (int n = 0; n < NP; ++n) prefetch_block(p + n * pbytes + ahead * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
       Acc<R> s[NP];
       for (int64_t kk = 0; kk < QB; kk += 2)
         for (int n = 0; n < NP; ++n) {
