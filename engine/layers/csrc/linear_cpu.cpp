@@ -388,20 +388,26 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute kernels run without the GIL: the worker's event loop (gRPC
+  // sends, new requests) runs its Python while the engine thread computes.
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("pack_weight", &pack_weight, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
-  m.def("packed_linear", &packed_linear, "x @ W.T (+ bias) with a packed weight",
+  m.def("packed_linear", &packed_linear, nogil(), "x @ W.T (+ bias) with a packed weight",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-  m.def("q4_linear", &q4_linear, "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)",
+  m.def("q4_linear", &q4_linear, nogil(),
+        "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("q4_unpack", &q4_unpack, "the float32 weights q4 blocks stand for");
-  m.def("q8_linear", &q8_linear, "x @ W.T (+ bias) with W held as exact 8-bit blocks",
+  m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("q8_unpack", &q8_unpack, "the float32 weights q8 blocks stand for");
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU runs");
-  m.def("rms_norm", &rms_norm, "RMSNorm of the rows (after residual += x when a residual is given)",
+  m.def("rms_norm", &rms_norm, nogil(),
+        "RMSNorm of the rows (after residual += x when a residual is given)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
-  m.def("rope_and_store_kv", &rope_and_store_kv, "rope on q and k, k and v into the paged cache; returns q, k");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rope_and_store_kv", &rope_and_store_kv, nogil(),
+        "rope on q and k, k and v into the paged cache; returns q, k");
+  m.def("silu_and_mul", &silu_and_mul, nogil(), "silu(gate) * up");
 }

@@ -271,7 +271,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+  // Without the GIL, as the linear kernels: the worker's event loop runs meanwhile.
+  m.def("paged_decode_attention", &paged_decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "paged decode attention (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0);
 }
