@@ -33,6 +33,10 @@ DEFAULT_TESTS = [
     "tests/integration/test_kvtransfer.py",
     "tests/integration/test_discovery.py",
     "tests/integration/test_prefix_index_redis.py",
+    "tests/integration/test_engine_death.py",
+    "tests/integration/test_hostile_peers.py",
+    "tests/integration/test_rolling_update.py",
+    "tests/integration/test_multihost.py",
     "tests/integration/test_frontend.py::test_disconnect_stops_the_work_and_frees_every_block",
     "tests/integration/test_frontend.py::test_timeout_aborts_everywhere",
 ]
