@@ -32,6 +32,7 @@ from services.frontend.config import (
 from services.frontend.config import DEFAULTS as FRONTEND_DEFAULTS
 from services.help_format import add_host_arg, given_argv
 from services.lora_flags import add_lora_args, lora_argv, lora_config_from_args
+from services.ports import free_port
 from services.speculative_flags import add_speculative_args, speculative_argv, speculative_config_from_args
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor, own_tls
 from services.tracing import add_tracing_args
@@ -48,15 +49,6 @@ ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "kv
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     return given_argv(args, ENGINE_FLAGS, switches=("no_prefix_caching",))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the OS picks it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:

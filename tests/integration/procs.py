@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from protos import pb, pb_grpc
+from services import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,9 +24,7 @@ WORKER_FLAGS = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 class Proc:

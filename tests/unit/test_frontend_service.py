@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -25,16 +24,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from protos import pb, pb_grpc
 from services.frontend.app import serve
 from services.frontend.config import FrontendConfig
+from services.ports import free_port
 
 T = TypeVar("T")
 MAX_MODEL_LEN = 128
 THRESHOLD = 16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_model_dir(path: Path) -> str:
