@@ -16,15 +16,11 @@ from pathlib import Path
 import grpc
 
 from protos import pb, pb_grpc
-from services import ports
+from services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 WORKER_FLAGS = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "1024"]
-
-
-def free_port() -> int:
-    return ports.free_port()
 
 
 class Proc:
