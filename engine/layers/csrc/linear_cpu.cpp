@@ -165,7 +165,7 @@ at::Tensor pack_weight(const at::Tensor& w) {
   auto out = at::zeros({P, K, NR}, wc.options());
   const float* src = wc.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  parallel_claim(P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
         const float* row = src + (p * NR + j) * K;
@@ -287,7 +287,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  parallel_claim(T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * H;
       float* rr = res ? res + t * H : nullptr;
@@ -346,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
       out[i + half] = b * c[i] + a * s[i];
     }
   };
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+  parallel_claim(T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = src + t * W;
       const float* c = cp + t * half;
@@ -376,7 +376,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   auto out = at::empty(sizes, gc.options());
   const float* gp = gc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  parallel_claim(T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * 2 * I;
       const float* u = g + I;

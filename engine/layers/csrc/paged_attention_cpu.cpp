@@ -209,7 +209,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   });
 
   // Merge each sequence's spans (in span order) and normalise.
-  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+  parallel_claim(B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t h = 0; h < Hq; ++h) {

@@ -2,20 +2,174 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// The kernels' own thread pool.  An OpenMP region ends at a barrier that every
+// thread of the team must reach, so on a small machine, where the frontend, the
+// gRPC threads and the benchmark client share the cores, a step waits for the
+// OS to schedule a thread it preempted even when the caller could have done
+// that thread's share itself.  Here the caller claims pieces like any worker;
+// once every piece is claimed and done it returns, waiting only for workers
+// that are running a piece.  A worker that wakes late finds the job closed and
+// goes back to sleep without touching it.
+//
+// One pool per extension (each .so holds its own copy), one job at a time: a
+// second caller while a job runs (another Python thread) runs its job inline.
+// After fork() the child starts a new pool (the parent's threads are not in it).
+// SPLITSERVE_KERNEL_THREADS=omp runs the jobs on at::parallel_for instead (A/B).
+namespace claim_pool {
+
+using RunFn = void (*)(const void* ctx, int64_t begin, int64_t end);
+
+class Pool {
+ public:
+  // Runs run(ctx, b, e) over [0, n) in pieces of `grain`, on up to `threads`
+  // threads, the caller included.
+  void run(int64_t n, int64_t grain, int threads, RunFn run, const void* ctx) {
+    std::unique_lock<std::mutex> caller(caller_, std::try_to_lock);
+    if (!caller.owns_lock()) {
+      run(ctx, 0, n);
+      return;
+    }
+    grow(threads - 1);
+    fn_ = run;
+    ctx_ = ctx;
+    n_ = n;
+    grain_ = grain;
+    wanted_ = threads - 1;
+    next_.store(0, std::memory_order_relaxed);
+    open_.store(true, std::memory_order_seq_cst);
+    epoch_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lk(m_); }
+      cv_.notify_all();
+    }
+    claim();
+    open_.store(false, std::memory_order_seq_cst);
+    // Only workers inside the job count here: each is running a piece.
+    for (int spins = 0; active_.load(std::memory_order_acquire) != 0; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else std::this_thread::yield();
+    }
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  // A piece that throws stops the claiming; the caller rethrows the first error.
+  void claim() {
+    try {
+      for (int64_t b = next_.fetch_add(grain_); b < n_; b = next_.fetch_add(grain_))
+        fn_(ctx_, b, std::min(b + grain_, n_));
+    } catch (...) {
+      next_.store(n_);
+      std::lock_guard<std::mutex> lk(error_m_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+
+  void grow(int workers) {
+    while (static_cast<int>(count_) < workers) {
+      const int id = count_++;
+      std::thread t([this, id] { work(id); });
+      pthread_setname_np(t.native_handle(), "ss-kernel");  // in top, py-spy and /proc/PID/task
+      t.detach();
+    }
+  }
+
+  void work(int id) {
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    for (;;) {
+      // Spin a little (the next kernel of a step follows within microseconds),
+      // then sleep until the next job.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+      uint64_t e = epoch_.load(std::memory_order_acquire);
+      for (int i = 0; e == seen; ++i) {
+        _mm_pause();
+        e = epoch_.load(std::memory_order_acquire);
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+      }
+      if (e == seen) {
+        std::unique_lock<std::mutex> lk(m_);
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        cv_.wait(lk, [&] { return epoch_.load(std::memory_order_seq_cst) != seen; });
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+        e = epoch_.load(std::memory_order_acquire);
+      }
+      seen = e;
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      // Closed: the caller finished without this worker (its fields may already
+      // be the next job's, which is fine to join once that one is open).
+      if (open_.load(std::memory_order_seq_cst) && id < wanted_) claim();
+      active_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  static constexpr int SPIN_US = 50;
+  std::mutex caller_;
+  std::mutex m_, error_m_;
+  std::exception_ptr error_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<int> active_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> next_{0};
+  RunFn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  int64_t n_ = 0, grain_ = 1;
+  int wanted_ = 0;
+  unsigned count_ = 0;  // workers started (by the caller, under caller_)
+};
+
+inline Pool*& current() {
+  static Pool* pool = nullptr;
+  return pool;
+}
+
+inline void after_fork_in_child() { current() = nullptr; }  // the parent's pool is left as is
+
+inline Pool* pool() {
+  static const bool use_omp = [] {
+    const char* v = std::getenv("SPLITSERVE_KERNEL_THREADS");
+    return v != nullptr && std::strcmp(v, "omp") == 0;
+  }();
+  if (use_omp) return nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, after_fork_in_child); });
+  Pool*& p = current();
+  if (p == nullptr) p = new Pool();  // never freed: detached workers use it until exit
+  return p;
+}
+
+}  // namespace claim_pool
 
 // Runs fn(begin, end) over [0, n) in pieces of `grain` that the threads claim
-// as they go, rather than one fixed share each: a thread the OS preempts (on a
-// small machine the frontend, the gRPC threads and the benchmark client share
-// the cores) holds up the step by one piece, not by half the work.
+// as they go, rather than one fixed share each: a thread the OS preempts holds
+// up the step by at most the piece it is running, not by its share.
 template <typename F>
 inline void parallel_claim(int64_t n, int64_t grain, const F& fn) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (threads <= 1) {
+  if (threads <= 1 || at::in_parallel_region()) {
     if (n > 0) fn(0, n);
+    return;
+  }
+  if (claim_pool::Pool* p = claim_pool::pool()) {
+    p->run(n, grain, static_cast<int>(threads),
+           [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &fn);
     return;
   }
   std::atomic<int64_t> next{0};

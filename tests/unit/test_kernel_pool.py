@@ -1,0 +1,111 @@
+"""The CPU kernels' own thread pool (engine/layers/csrc/parallel_claim.h): the
+same bits as OpenMP, callers on several Python threads at once, and a fork."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.packed_linear import q4_blocks
+from tests.unit.test_linear_isa import q4_weight
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    torch.set_num_threads(2)
+    return k
+
+
+def pool_threads() -> int:
+    return sum(Path(f"/proc/self/task/{t}/comm").read_text().strip() == "ss-kernel"
+               for t in os.listdir("/proc/self/task"))
+
+
+def inputs(seed: int, m: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, 256, generator=gen), torch.randn(600, 256, generator=gen)
+
+
+def test_the_pool_runs_the_kernels_and_gives_openmp_s_bits(kernel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    x, w = inputs(0)
+    panels = kernel.pack_weight(w)
+    y = kernel.packed_linear(x, panels, 600)
+    assert pool_threads() >= 1, "two torch threads and 38 panels: the pool's worker should be running"
+    torch.save({"x": x, "w": w}, tmp_path / "in.pt")
+    script = (
+        "import sys, torch\n"
+        "from engine.layers.cpu_attention import load_linear_kernel\n"
+        "k = load_linear_kernel(); torch.set_num_threads(2)\n"
+        f"d = torch.load({str(tmp_path / 'in.pt')!r})\n"
+        "y = k.packed_linear(d['x'], k.pack_weight(d['w']), 600)\n"
+        f"torch.save(y, {str(tmp_path / 'omp.pt')!r})\n"
+        "import os; assert not any(open(f'/proc/self/task/{t}/comm').read().strip() == 'ss-kernel'"
+        " for t in os.listdir('/proc/self/task')), 'omp mode started the pool'\n")
+    env = dict(os.environ, SPLITSERVE_KERNEL_THREADS="omp")
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=True, timeout=300)
+    assert torch.equal(torch.load(tmp_path / "omp.pt"), y)
+
+
+def test_callers_on_several_threads_at_once_each_get_their_own_result(kernel) -> None:  # type: ignore[no-untyped-def]
+    w = q4_weight(512, 256, torch.Generator().manual_seed(3))
+    blocks = q4_blocks(w, kernel)
+    assert blocks is not None
+    panels = kernel.pack_weight(w)
+    xs = [inputs(10 + i, m=1 + 7 * i)[0] for i in range(4)]
+    want = [(kernel.packed_linear(x, panels, 512), kernel.q4_linear(x, blocks, 512)) for x in xs]
+    errors: list[str] = []
+    start = threading.Barrier(len(xs))
+
+    def call(i: int) -> None:
+        start.wait()
+        for _ in range(40):
+            got = (kernel.packed_linear(xs[i], panels, 512), kernel.q4_linear(xs[i], blocks, 512))
+            if not all(torch.equal(g, e) for g, e in zip(got, want[i], strict=True)):
+                errors.append(f"caller {i} got another result")
+                return
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert errors == []
+
+
+def child(conn, x, panels, want) -> None:  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None
+    torch.set_num_threads(2)
+    got = k.packed_linear(x, panels, 600)
+    # compared in Python: torch's own OpenMP regions hang in a forked child (libgomp)
+    conn.send((got.tolist() == want.tolist(), pool_threads()))
+
+
+def test_a_forked_child_starts_its_own_pool(kernel) -> None:  # type: ignore[no-untyped-def]
+    x, w = inputs(1)
+    panels = kernel.pack_weight(w)
+    want = kernel.packed_linear(x, panels, 600)
+    assert pool_threads() >= 1
+    ctx = mp.get_context("fork")
+    parent, conn = ctx.Pipe()
+    p = ctx.Process(target=child, args=(conn, x, panels, want))
+    p.start()
+    assert parent.poll(120), "the forked child hung in the kernel"
+    same, threads = parent.recv()
+    p.join(30)
+    assert same, "the child computed another result"
+    assert threads >= 1, "the child ran without a pool worker of its own"
+
