@@ -4,10 +4,21 @@
 index) can import the vocabulary, `engine.vocab`, without pulling in torch.
 """
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
-from engine.vocab.lora_request import LoRARequest
-from engine.vocab.sampling_params import SamplingParams
+# Before torch loads OpenMP (it reads this once): OpenMP's idle threads sleep
+# instead of spinning, so the CPU kernels can run on their own pool
+# (engine/layers/csrc/parallel_claim.h).  Spinning OpenMP threads take its
+# cores (a one-row decode step 11 -> 16 ms on 2 cores), so where torch came
+# first, or OMP_WAIT_POLICY says otherwise, the kernels stay on OpenMP.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OPENMP_SLEEPS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+
+from engine.vocab.lora_request import LoRARequest  # noqa: E402 - after the OpenMP setting
+from engine.vocab.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.llm import LLM

@@ -63,9 +63,12 @@ def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | Non
         build_dir.mkdir(parents=True, exist_ok=True)
         for header in headers:  # the sources include these from their own folder
             stable_source(build_dir, header)
-        return load(name=name, sources=[str(stable_source(build_dir, s)) for s in sources],
-                    extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                    verbose=False)
+        module = load(name=name, sources=[str(stable_source(build_dir, s)) for s in sources],
+                      extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                      verbose=False)
+        import engine
+        module.use_pool(engine.OPENMP_SLEEPS)
+        return module
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)
         return None

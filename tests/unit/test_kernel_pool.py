@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.packed_linear import q4_blocks
 from tests.unit.test_linear_isa import q4_weight
@@ -25,7 +26,9 @@ def kernel():  # type: ignore[no-untyped-def]
     k = load_linear_kernel()
     assert k is not None, "the linear kernel must build on this machine"
     torch.set_num_threads(2)
-    return k
+    k.use_pool(True)  # this process loaded torch first: the loader left it on OpenMP
+    yield k
+    k.use_pool(engine.OPENMP_SLEEPS)
 
 
 def pool_threads() -> int:
@@ -109,3 +112,30 @@ def test_a_forked_child_starts_its_own_pool(kernel) -> None:  # type: ignore[no-
     assert same, "the child computed another result"
     assert threads >= 1, "the child ran without a pool worker of its own"
 
+
+
+PROBE = ("import sys, os{first}\n"
+         "import engine\n"
+         "from engine.layers.cpu_attention import load_linear_kernel\n"
+         "import torch; torch.set_num_threads(2)\n"
+         "k = load_linear_kernel()\n"
+         "k.packed_linear(torch.randn(64, 256), k.pack_weight(torch.randn(600, 256)), 600)\n"
+         "d = '/proc/self/task'; tasks = [open(f'{{d}}/{{t}}/comm').read().strip() for t in os.listdir(d)]\n"
+         "print(os.environ.get('OMP_WAIT_POLICY'), engine.OPENMP_SLEEPS, 'ss-kernel' in tasks)\n")
+
+
+@pytest.mark.parametrize("first,policy,want", [
+    ("", None, ["PASSIVE", "True", "True"]),  # engine first: OpenMP sleeps, the pool runs
+    ("", "ACTIVE", ["ACTIVE", "False", "False"]),  # told otherwise: OpenMP spins, so no pool
+    ("; import torch", None, ["None", "False", "False"]),  # torch loaded OpenMP first: too late to ask
+])
+def test_the_pool_runs_only_where_openmp_threads_sleep(first: str, policy: str | None,
+                                                       want: list[str]) -> None:
+    """engine sets OMP_WAIT_POLICY before torch loads OpenMP: spinning OpenMP
+    threads would take the cores the kernel pool's workers run on."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True, timeout=300).stdout.split()
+    assert out == want

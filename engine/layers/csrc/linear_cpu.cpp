@@ -391,6 +391,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute kernels run without the GIL: the worker's event loop (gRPC
   // sends, new requests) runs its Python while the engine thread computes.
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("use_pool", [](bool on) { claim_pool::enabled() = on; },
+        "run the kernels on their own thread pool (only where OpenMP's idle threads sleep)");
   m.def("pack_weight", &pack_weight, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
   m.def("packed_linear", &packed_linear, nogil(), "x @ W.T (+ bias) with a packed weight",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());

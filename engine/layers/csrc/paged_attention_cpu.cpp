@@ -272,6 +272,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as the linear kernels: the worker's event loop runs meanwhile.
+  m.def("use_pool", [](bool on) { claim_pool::enabled() = on; },
+        "run the kernels on their own thread pool (only where OpenMP's idle threads sleep)");
   m.def("paged_decode_attention", &paged_decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "paged decode attention (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),

@@ -30,7 +30,11 @@
 // One pool per extension (each .so holds its own copy), one job at a time: a
 // second caller while a job runs (another Python thread) runs its job inline.
 // After fork() the child starts a new pool (the parent's threads are not in it).
-// SPLITSERVE_KERNEL_THREADS=omp runs the jobs on at::parallel_for instead (A/B).
+// The loader enables it (engine/layers/cpu_attention.py) where OpenMP's idle
+// threads sleep; otherwise, and with SPLITSERVE_KERNEL_THREADS=omp (an A/B),
+// the jobs run on at::parallel_for.
+// SPLITSERVE_KERNEL_SPIN_US sets how long an idle worker spins before it sleeps
+// (200: a step's next kernel usually follows sooner).
 namespace claim_pool {
 
 using RunFn = void (*)(const void* ctx, int64_t begin, int64_t end);
@@ -95,7 +99,7 @@ class Pool {
     for (;;) {
       // Spin a little (the next kernel of a step follows within microseconds),
       // then sleep until the next job.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
       uint64_t e = epoch_.load(std::memory_order_acquire);
       for (int i = 0; e == seen; ++i) {
         _mm_pause();
@@ -118,7 +122,13 @@ class Pool {
     }
   }
 
-  static constexpr int SPIN_US = 50;
+  static int spin_us() {
+    static const int us = [] {
+      const char* v = std::getenv("SPLITSERVE_KERNEL_SPIN_US");
+      return v ? std::atoi(v) : 200;
+    }();
+    return us;
+  }
   std::mutex caller_;
   std::mutex m_, error_m_;
   std::exception_ptr error_;
@@ -142,12 +152,19 @@ inline Pool*& current() {
 
 inline void after_fork_in_child() { current() = nullptr; }  // the parent's pool is left as is
 
+// Off until the loader turns it on (use_pool): only where OpenMP's idle threads
+// sleep, or they spin on the cores the pool's workers need.
+inline std::atomic<bool>& enabled() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 inline Pool* pool() {
   static const bool use_omp = [] {
     const char* v = std::getenv("SPLITSERVE_KERNEL_THREADS");
     return v != nullptr && std::strcmp(v, "omp") == 0;
   }();
-  if (use_omp) return nullptr;
+  if (use_omp || !enabled().load(std::memory_order_relaxed)) return nullptr;
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, after_fork_in_child); });
   Pool*& p = current();
