@@ -67,7 +67,7 @@ def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | Non
                       extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                       verbose=False)
         import engine
-        module.use_pool(engine.OPENMP_SLEEPS)
+        module.use_pool(engine.OPENMP_SLEEPS and os.environ.get("SPLITSERVE_KERNEL_THREADS") != "omp")
         return module
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)

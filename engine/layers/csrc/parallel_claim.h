@@ -11,12 +11,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <utility>
-#include <vector>
 
 // The kernels' own thread pool.  An OpenMP region ends at a barrier that every
 // thread of the team must reach, so on a small machine, where the frontend, the
@@ -31,7 +29,7 @@
 // second caller while a job runs (another Python thread) runs its job inline.
 // After fork() the child starts a new pool (the parent's threads are not in it).
 // The loader enables it (engine/layers/cpu_attention.py) where OpenMP's idle
-// threads sleep; otherwise, and with SPLITSERVE_KERNEL_THREADS=omp (an A/B),
+// threads sleep and SPLITSERVE_KERNEL_THREADS is not "omp" (an A/B); otherwise
 // the jobs run on at::parallel_for.
 // SPLITSERVE_KERNEL_SPIN_US sets how long an idle worker spins before it sleeps
 // (200: a step's next kernel usually follows sooner).
@@ -160,11 +158,7 @@ inline std::atomic<bool>& enabled() {
 }
 
 inline Pool* pool() {
-  static const bool use_omp = [] {
-    const char* v = std::getenv("SPLITSERVE_KERNEL_THREADS");
-    return v != nullptr && std::strcmp(v, "omp") == 0;
-  }();
-  if (use_omp || !enabled().load(std::memory_order_relaxed)) return nullptr;
+  if (!enabled().load(std::memory_order_relaxed)) return nullptr;
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, after_fork_in_child); });
   Pool*& p = current();
