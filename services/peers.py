@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -23,6 +23,32 @@ _INFO_TIMEOUT_S = 2.0
 _RERESOLVE_EVERY_S = 0.5  # a miss re-reads Redis / re-asks the known workers at most this often
 
 
+class FreshRead:
+    """Re-reads what a worker knows of its peers when a question misses: one
+    read at a time, at most one begun per interval, and a question is answered
+    only by a read begun after it was asked.  (A read already under way when a
+    peer registered cannot know it: a request the frontend sent to that peer
+    the moment it saw it waits for the next read instead of being refused.)
+    Strangers asked about in a loop cost one read per interval, no more."""
+
+    def __init__(self, read: Callable[[], Awaitable[None]], interval: float = _RERESOLVE_EVERY_S) -> None:
+        self._read = read
+        self._interval = interval
+        self._lock = asyncio.Lock()
+        self._begun = float("-inf")
+        self.reads = 0
+
+    async def after(self, asked: float) -> None:
+        """Returns once a read begun at or after `asked` (time.monotonic()) has finished."""
+        async with self._lock:  # waiting here: behind the read under way, and whatever it answers
+            if self._begun >= asked:
+                return
+            await asyncio.sleep(max(0.0, self._begun + self._interval - time.monotonic()))
+            self._begun = time.monotonic()
+            self.reads += 1
+            await self._read()
+
+
 class KnownPeers:
     """gRPC addresses of one role's workers: static ones (flags) and discovered ones."""
 
@@ -31,7 +57,7 @@ class KnownPeers:
         self.static = frozenset(static)
         self.discovered: frozenset[str] = frozenset()
         self.discovery: Any = None  # services.discovery.Discovery, when there is Redis
-        self._last_refresh = 0.0
+        self.fresh = FreshRead(lambda: self.discovery.refresh())
 
     @property
     def all(self) -> frozenset[str]:
@@ -50,10 +76,8 @@ class KnownPeers:
         """Known now, or after one fresh read of Redis (a worker that just registered)."""
         if address in self.all:
             return True
-        # A caller naming strangers in a loop costs one Redis read per interval, no more.
-        if self.discovery is not None and time.monotonic() - self._last_refresh >= _RERESOLVE_EVERY_S:
-            self._last_refresh = time.monotonic()
-            await self.discovery.refresh()
+        if self.discovery is not None:
+            await self.fresh.after(time.monotonic())
         return address in self.all
 
 
@@ -69,15 +93,12 @@ class KnownDecodeListeners:
         self.model_id = model_id
         self._ucx: dict[str, str] = {}  # decode gRPC address -> its UCX address
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._last_resolve = 0.0
-        self._lock = asyncio.Lock()
+        self.fresh = FreshRead(self._resolve)
 
     async def knows(self, kv_address: str) -> bool:
         if kv_address in self._ucx.values():
             return True
-        async with self._lock:
-            if time.monotonic() - self._last_resolve >= _RERESOLVE_EVERY_S:
-                await self._resolve()
+        await self.fresh.after(time.monotonic())
         return kv_address in self._ucx.values()
 
     async def _resolve(self) -> None:
@@ -86,7 +107,6 @@ class KnownDecodeListeners:
         addresses = sorted(self.decodes.all)
         answers = await asyncio.gather(*(self._info(a) for a in addresses))
         self._ucx = {a: ucx for a, ucx in zip(addresses, answers, strict=True) if ucx}
-        self._last_resolve = time.monotonic()
 
     async def _info(self, address: str) -> str:
         ch = self._channels.get(address)
