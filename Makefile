@@ -8,8 +8,13 @@ setup:
 up: setup
 	splitserve up
 
+# The suite in two parts: all but the timing-sensitive tests on two pytest
+# workers (each module whole on one), then those (tests/timing_sensitive.py)
+# alone, one at a time.  Both parts always run; either failing fails the target.
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=15 -m "not serial" -n 2 --dist loadfile tests; a=$$?; \
+	$(PY) -m pytest -q --durations=15 -m serial $$($(PY) -m tests.timing_sensitive); b=$$?; \
+	test $$a -eq 0 && test $$b -eq 0
 
 # The fault and timing-sensitive modules FLAKY_RUNS times (default 20), with a
 # per-test failure count at the end (FLAKY_TESTS: other pytest arguments).

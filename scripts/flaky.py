@@ -16,30 +16,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tests that kill, stop, cancel or time things: the ones a loaded machine makes flaky.
-DEFAULT_TESTS = [
-    "tests/unit/test_supervisor.py",
-    "tests/unit/test_frontend_service.py",
-    "tests/unit/test_frontend_tracing.py",
-    "tests/unit/test_engine_loop.py",
-    "tests/integration/test_failover.py",
-    "tests/integration/test_worker_faults.py",
-    "tests/integration/test_up_supervise.py",
-    "tests/integration/test_chaos.py",
-    "tests/integration/test_transfer_faults.py",
-    "tests/integration/test_redis_faults.py",
-    "tests/integration/test_combined_faults.py",
-    "tests/integration/test_guided_failover.py",
-    "tests/integration/test_kvtransfer.py",
-    "tests/integration/test_discovery.py",
-    "tests/integration/test_prefix_index_redis.py",
-    "tests/integration/test_engine_death.py",
-    "tests/integration/test_hostile_peers.py",
-    "tests/integration/test_rolling_update.py",
-    "tests/integration/test_multihost.py",
-    "tests/integration/test_frontend.py::test_disconnect_stops_the_work_and_frees_every_block",
-    "tests/integration/test_frontend.py::test_timeout_aborts_everywhere",
-]
+sys.path.insert(0, str(ROOT))
+from tests.timing_sensitive import FAULT_TESTS as DEFAULT_TESTS  # noqa: E402
 
 
 def outcomes(junit: Path) -> dict[str, str]:

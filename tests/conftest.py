@@ -22,3 +22,13 @@ def tokenizer(model_dir):  # type: ignore[no-untyped-def]
     from engine.models.loader import load_tokenizer
 
     return load_tokenizer(model_dir)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The timing-sensitive tests (tests/timing_sensitive.py) are marked
+    `serial`: make test runs them alone, after the rest has run on two workers."""
+    from tests.timing_sensitive import is_serial
+
+    for item in items:
+        if is_serial(item.nodeid):
+            item.add_marker(pytest.mark.serial)

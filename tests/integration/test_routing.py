@@ -25,7 +25,7 @@ from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
-PREFIX_TOKENS = 1000  # the shared system prompt: 62 full blocks
+PREFIX_TOKENS = 496  # the shared system prompt: 31 full blocks (a 1-thread prefill of it: about 2.5 s)
 PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK
 HEARTBEAT_TTL_S = 2.0  # the frontend's: max(2 s, 10 load intervals of 0.2 s)
 WORKER_ARGS = ["--num-blocks", "400", "--max-model-len", "2048"]
@@ -245,11 +245,11 @@ def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # 
     wait_indexed(url, PREFIX_BLOCKS)
     before = scrape(url)
     # Each cached request still costs its holder its suffix (160 tokens: 10.5
-    # blocks) plus 2 blocks for a step and a KV send: past about 5 queued ones
-    # (router defaults) recomputing the 62-block prefix elsewhere is cheaper, and
+    # blocks) plus 2 blocks for a step and a KV send: past about 3 queued ones
+    # (router defaults) recomputing the 31-block prefix elsewhere is cheaper, and
     # once the second worker holds it too the two share the flood.  The margin is
-    # wide on purpose: with 16 clients the holder's queue passes 5 however fast
-    # the engine is (a 24-token suffix put the break-even at about 15 queued, which
+    # wide on purpose: with 16 clients the holder's queue passes 3 however fast
+    # the engine is (a 24-token suffix put the break-even at about 8 queued, which
     # a fast prefill worker did not always reach).
     clients, rounds, suffix = 16, 1, 160
     flood = clients * rounds

@@ -4,8 +4,13 @@ ephemeral range, where an outgoing connection could take them first."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 from services import ports
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_picks_are_bindable_and_outside_the_ephemeral_range() -> None:
@@ -32,3 +37,22 @@ def test_a_port_in_use_is_never_picked() -> None:
     finally:
         for s in held:
             s.close()
+
+
+def test_two_processes_picking_at_once_never_pick_the_same_port(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A narrow range (1,001 ports) and no binds: without the shared record
+    of picks, 500 picks here and 400 in another process would overlap."""
+    record = str(tmp_path / "picks")
+    narrow = "lambda: (11001, 65000)"  # leaves 10000-11000 (the span above is too small to use)
+    child = subprocess.run(
+        [sys.executable, "-c", f"from services import ports\nports.RESERVATIONS = {record!r}\n"
+                               f"ports.ephemeral_range = {narrow}\n"
+                               "print(*(ports.free_port() for _ in range(500)))"],
+        capture_output=True, text=True, check=True, cwd=ROOT)
+    theirs = {int(p) for p in child.stdout.split()}
+    monkeypatch.setattr(ports, "RESERVATIONS", record)
+    monkeypatch.setattr(ports, "ephemeral_range", eval(narrow))
+    mine = [ports.free_port() for _ in range(400)]
+    assert len(theirs) == 500 and len(set(mine)) == 400
+    assert all(10000 <= p <= 11000 for p in theirs | set(mine))
+    assert not theirs & set(mine)
