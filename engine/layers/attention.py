@@ -112,21 +112,33 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     scale: float, use_kernel: bool = True, *, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """Torch path.  q: [T, Hq, D]; k_new, v_new: [T, Hkv, D] (already written
-    to the cache).  Returns [T, Hq, D].  On the CPU, decodes go through the
-    compiled kernel when it built (reads the cache in place, no padding) and
-    the scores are not soft-capped."""
+    to the cache).  Returns [T, Hq, D].  On the CPU, where the compiled kernels
+    built and the scores are not soft-capped, decodes and prefills (a head size
+    that is a multiple of 16, a full-precision cache) go through them: they read
+    the cache in place, no gather, no padding."""
     nd = meta.num_decodes
     on_cpu = use_kernel and q.device.type == "cpu" and softcap is None
-    kernel = load_cpu_kernel() if on_cpu and nd else None
+    kernel = load_cpu_kernel() if on_cpu else None
     if kernel is not None and nd == len(meta.query_lens) and not is_fp8(kv_cache.dtype):
         # Only decodes, a full-precision cache: the kernel's output as it is (the
         # general path's slicing, scaling by 1 and copying cost a single-stream
         # step ~1 ms over 30 layers and change no bit).
         return kernel.paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
                                              window or 0)
+    prefills_done = kernel is not None and q.shape[-1] % 16 == 0 and not is_fp8(kv_cache.dtype)
+    if kernel is not None and prefills_done:
+        # The prefills through the compiled kernel too: causal attention over
+        # the cache in blocks, every query's sums cut at fixed key positions.
+        prefills = kernel.paged_prefill_attention(q[nd:], kv_cache, layer, meta.block_tables[nd:],
+                                                  meta.query_lens[nd:], meta.seq_lens_host[nd:], scale,
+                                                  window or 0)
+        if nd == 0:
+            return prefills  # type: ignore[no-any-return]
     out = torch.empty_like(q)
     block_size = kv_cache.shape[3]
-    if kernel is not None:
+    if prefills_done:
+        out[nd:] = prefills
+    if kernel is not None and nd:
         # The kernel reads fp8 values as stored: a cache scale s folds into
         # the softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
         s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
@@ -144,7 +156,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
         out[:nd] = attend(qd, k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
     start = nd
-    for i in range(nd, meta.num_seqs):
+    for i in range(nd, 0 if prefills_done else meta.num_seqs):
         q_len, seq_len = meta.query_lens[i], meta.seq_lens_host[i]
         end = start + q_len
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -241,6 +242,308 @@ void decode_heads(const at::Tensor& q, const at::Tensor& kv, int64_t layer, cons
   }
 }
 
+
+// ---- prefill attention ----
+//
+// The query tokens of the step's prefills (and multi-token chunks after a
+// cached prefix): sequence b's q_len queries sit at positions L - q_len ..
+// L - 1 and see keys 0 .. their own position (or, with a window W, the last W
+// of them), all read from the paged cache (the step's new keys are already
+// stored).  A task is one KV head and a run of queries: the G query heads that
+// share the KV head times those queries are the rows of two small matrix
+// products per block of BK keys, S = Q K^T and O += P V, with an online
+// softmax between them (as in flash attention).
+//
+// Keys are taken in blocks at fixed positions (0, BK, 2 BK, ...), and each
+// row's arithmetic touches its own row only: a query's output is bit for bit
+// the same however its prompt was cut into chunks, whatever else the step
+// holds, and with or without a cached prefix.  Keys no row of a task can see
+// are never read.
+namespace prefill {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
+
+constexpr int KT = 16;           // keys per tile of S, head dims per tile of O
+constexpr int NV = KT / VW;      // vectors per tile row
+constexpr int MR = VW == 16 ? 12 : 6;  // rows per micro-kernel: 12 accumulators of 16 registers (AVX2)
+constexpr int64_t BK = 64;       // keys per block
+constexpr int64_t ROWS = 96;     // rows per task (query heads x queries), about
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0, lane by lane (the same bits in every lane and position):
+// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^6
+// (relative error under 2e-7).
+inline vf exp_neg(vf x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round(x / ln2): x <= 0
+  const vf fn = __builtin_convertvector(n, vf);
+  const vf r = x - fn * 0.693145751953125f - fn * 1.428606765330187e-06f;
+  vf p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi bits = (n + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+inline float exp_neg1(float x) {
+  const vf v = exp_neg(splat(x));
+  return v[0];
+}
+
+// s[r][0..16) = q_r . kt[.][0..16) for R rows (q rows D apart, s rows ls apart).
+template <int R>
+inline void qk_tile(const float* __restrict__ q, int64_t D, const float* __restrict__ kt, float* __restrict__ s,
+                    int64_t ls) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = splat(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    vf k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = load(kt + d * KT + v * VW);
+    for (int r = 0; r < R; ++r) {
+      const vf a = splat(q[r * D + d]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * k[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(s + r * ls + v * VW, acc[r][v]);
+}
+
+// o[r][d0..d0+16) = o * rescale[r] + sum over keys i0..i1 of p[r][i] v[i][d0..].
+template <int R>
+inline void pv_tile(const float* __restrict__ p, int64_t lp, int64_t i0, int64_t i1, const float* __restrict__ v,
+                    int64_t D, int64_t d0, const float* __restrict__ rescale, float* __restrict__ o) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < NV; ++u) acc[r][u] = load(o + r * D + d0 + u * VW) * rescale[r];
+  for (int64_t i = i0; i < i1; ++i) {
+    vf w[NV];
+    for (int u = 0; u < NV; ++u) w[u] = load(v + i * D + d0 + u * VW);
+    for (int r = 0; r < R; ++r) {
+      const vf a = splat(p[r * lp + i]);
+      for (int u = 0; u < NV; ++u) acc[r][u] += a * w[u];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < NV; ++u) store(o + r * D + d0 + u * VW, acc[r][u]);
+}
+
+// The R-row kernels for any rows < MR at the end of a task.
+template <int R>
+inline void qk_rows(int64_t rows, const float* q, int64_t D, const float* kt, float* s, int64_t ls) {
+  if constexpr (R > 1) {
+    if (rows < R) return qk_rows<R - 1>(rows, q, D, kt, s, ls);
+  }
+  qk_tile<R>(q, D, kt, s, ls);
+}
+
+template <int R>
+inline void pv_rows(int64_t rows, const float* p, int64_t lp, int64_t i0, int64_t i1, const float* v, int64_t D,
+                    int64_t d0, const float* rescale, float* o) {
+  if constexpr (R > 1) {
+    if (rows < R) return pv_rows<R - 1>(rows, p, lp, i0, i1, v, D, d0, rescale, o);
+  }
+  pv_tile<R>(p, lp, i0, i1, v, D, d0, rescale, o);
+}
+
+struct Task {
+  int64_t seq, head, q0, q1, cost;
+};
+
+// Softmax of one row's block of scores s[0..BK), visible keys [a, e): the
+// running max m and sum l updated, s replaced by p (0 outside [a, e)), and the
+// factor for the row's output so far returned.  A row that sees every key of
+// the block takes the unmasked loop; its p and sum come out the same bits.
+inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, float& m, float& l, const vi& lane) {
+  vf sum = splat(0.f);
+  float m_new;
+  if (a == 0 && e == BK) {
+    vf mx = load(s);
+    for (int64_t j = VW; j < BK; j += VW) {
+      const vf x = load(s + j);
+      mx = x > mx ? x : mx;
+    }
+    float bmax = mx[0];
+    for (int u = 1; u < VW; ++u) bmax = std::max(bmax, mx[u]);
+    m_new = std::max(m, bmax);
+    for (int64_t j = 0; j < BK; j += VW) {
+      const vf p = exp_neg(load(s + j) - m_new);
+      store(s + j, p);
+      sum += p;
+    }
+  } else {
+    const int64_t j0 = a / VW * VW, j1 = (e + VW - 1) / VW * VW;
+    float bmax = s[a];
+    for (int64_t i = a + 1; i < e; ++i) bmax = std::max(bmax, s[i]);
+    m_new = std::max(m, bmax);
+    std::fill(s, s + j0, 0.f);
+    std::fill(s + j1, s + BK, 0.f);
+    for (int64_t j = j0; j < j1; j += VW) {
+      const vi idx = lane + static_cast<int32_t>(j);
+      const vf p = exp_neg(load(s + j) - m_new);
+      const vf masked = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(e)) ? p : splat(0.f);
+      store(s + j, masked);
+      sum += masked;
+    }
+  }
+  float total = sum[0];
+  for (int u = 1; u < VW; ++u) total += sum[u];
+  const float rescale = exp_neg1(m - m_new);
+  l = l * rescale + total;
+  m = m_new;
+  return rescale;
+}
+
+template <typename scalar_t, typename cache_t>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& block_tables,
+                    const std::vector<int64_t>& query_lens, const std::vector<int64_t>& seq_lens, double scale,
+                    int64_t window, at::Tensor& out) {
+  const int64_t Hq = q.size(1), D = q.size(2);
+  const int64_t bs = kv.size(3), Hkv = kv.size(4), G = Hq / Hkv;
+  const int64_t s_blk = kv.stride(0), s_lyr = kv.stride(1), s_kv = kv.stride(2), s_tok = kv.stride(3),
+                s_head = kv.stride(4);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const cache_t* base = kv.data_ptr<cache_t>() + layer * s_lyr;
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t bt_stride = block_tables.stride(0);
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t QB = std::max<int64_t>(1, ROWS / G);  // queries per task
+  const int64_t B = static_cast<int64_t>(query_lens.size());
+
+  // Each sequence's keys and values for each KV head, once, in float32: K as
+  // tiles of 16 keys [D][16], V as rows [D], from the first key any of its
+  // queries sees (the earlier ones stay zero and are never read).
+  std::vector<int64_t> qstart(B + 1, 0), kstart(B + 1, 0), klo(B);
+  for (int64_t b = 0; b < B; ++b) {
+    qstart[b + 1] = qstart[b] + query_lens[b];
+    const int64_t first = seq_lens[b] - query_lens[b];
+    klo[b] = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    kstart[b + 1] = kstart[b] + (seq_lens[b] + BK - 1) / BK * BK * Hkv * D;  // whole blocks, zero padded
+  }
+  std::vector<float> kpack(kstart[B]), vpack(kstart[B]);
+  std::vector<int64_t> tile_start(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) tile_start[b + 1] = tile_start[b] + Hkv * ((seq_lens[b] + KT - 1) / KT);
+  parallel_claim(tile_start[B], 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> rowbuf(D);
+    int64_t b = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (tile_start[b + 1] <= t) ++b;
+      const int64_t tiles = (seq_lens[b] + KT - 1) / KT;
+      const int64_t hk = (t - tile_start[b]) / tiles, tile = (t - tile_start[b]) % tiles;
+      float* kt = kpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv + tile * KT * D;
+      float* vr = vpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv + tile * KT * D;
+      const int32_t* table = bt + b * bt_stride;
+      for (int64_t i = 0; i < KT; ++i) {
+        const int64_t pos = tile * KT + i;
+        if (pos < klo[b] || pos >= seq_lens[b]) continue;
+        const cache_t* krow = base + table[pos / bs] * s_blk + (pos % bs) * s_tok + hk * s_head;
+        const float* kf = as_floats(krow, rowbuf.data(), D);
+        for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = kf[d];
+        const float* vf_ = as_floats(krow + s_kv, vr + i * D, D);
+        if (vf_ != vr + i * D) std::memcpy(vr + i * D, vf_, D * sizeof(float));
+      }
+    }
+  });
+
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = seq_lens[b] - query_lens[b];
+    for (int64_t q0 = 0; q0 < query_lens[b]; q0 += QB) {
+      const int64_t q1 = std::min(q0 + QB, query_lens[b]);
+      const int64_t hi = first + q1, lo = window > 0 ? std::max<int64_t>(0, first + q0 - window + 1) : 0;
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, q0, q1, (hi - lo) * (q1 - q0)});
+    }
+  }
+  // The longest first: a thread that claims the last tasks finishes with the others.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  parallel_claim(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t RT = QB * G;
+    std::vector<float> qs(RT * D), o(RT * D), s(RT * BK), m(RT), l(RT), rescale(RT);
+    std::vector<int64_t> lo(RT), hi(RT);
+    vi lane;
+    for (int u = 0; u < VW; ++u) lane[u] = u;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t b = task.seq, hk = task.head;
+      const int64_t first = seq_lens[b] - query_lens[b];
+      const float* kp = kpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv;
+      const float* vp = vpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv;
+      const int64_t rows = (task.q1 - task.q0) * G;
+      // Row rho = (query i, head g): scaled q, its visible keys [lo, hi).
+      for (int64_t i = 0; i < task.q1 - task.q0; ++i) {
+        const int64_t pos = first + task.q0 + i;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t rho = i * G + g;
+          const scalar_t* src = qp + ((qstart[b] + task.q0 + i) * Hq + hk * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qs[rho * D + d] = to_f(src[d]) * fscale;
+          lo[rho] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          hi[rho] = pos + 1;
+          m[rho] = -std::numeric_limits<float>::max();
+          l[rho] = 0.f;
+        }
+      }
+      std::fill(o.begin(), o.begin() + rows * D, 0.f);
+      const int64_t khi = hi[rows - 1];  // rows run in position order
+      for (int64_t k0 = lo[0] / BK * BK; k0 < khi; k0 += BK) {
+        const int64_t k1 = std::min(k0 + BK, khi), n16 = (k1 - k0 + KT - 1) / KT * KT;
+        const float* kt = kp + k0 * D;
+        const float* vb = vp + k0 * D;
+        // Rows that see none of this block's keys stay as they are (rescale 1, p 0).
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+          const int64_t r = std::min<int64_t>(MR, rows - r0);
+          if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
+          const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
+          for (int64_t j = j0; j < n16; j += KT)
+            qk_rows<MR>(r, qs.data() + r0 * D, D, kt + j * D, s.data() + r0 * BK + j, BK);
+        }
+        for (int64_t rho = 0; rho < rows; ++rho) {
+          const int64_t a = std::max(lo[rho], k0) - k0, e = std::min(hi[rho], k1) - k0;
+          if (a >= e) {
+            rescale[rho] = 1.f;
+            std::fill(s.data() + rho * BK, s.data() + (rho + 1) * BK, 0.f);
+            continue;
+          }
+          rescale[rho] = softmax_block(s.data() + rho * BK, a, e, m[rho], l[rho], lane);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+          const int64_t r = std::min<int64_t>(MR, rows - r0);
+          const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
+          if (a >= e) continue;
+          for (int64_t d0 = 0; d0 < D; d0 += KT)
+            pv_rows<MR>(r, s.data() + r0 * BK, BK, a, e, vb, D, d0, rescale.data() + r0, o.data() + r0 * D);
+        }
+      }
+      for (int64_t i = 0; i < task.q1 - task.q0; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t rho = i * G + g;
+          const float inv = 1.f / l[rho];
+          scalar_t* dst = op + ((qstart[b] + task.q0 + i) * Hq + hk * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[rho * D + d] * inv);
+        }
+    }
+  });
+}
+
+}  // namespace prefill
+
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer,
@@ -270,6 +573,56 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
   return out;
 }
 
+
+// q: [sum of query_lens, Hq, D], the sequences' queries one after another;
+// block_tables: [B, max_blocks] int32; query_lens, seq_lens: [B].  D: a multiple of 16.
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer, at::Tensor block_tables,
+                                   std::vector<int64_t> query_lens, std::vector<int64_t> seq_lens, double scale,
+                                   int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 6, "paged_prefill_attention: bad ranks");
+  TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
+  TORCH_CHECK(q.size(2) % prefill::KT == 0 && q.size(2) == kv_cache.size(5),
+              "paged_prefill_attention: the head size must be a multiple of 16 and match the cache");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 || q.scalar_type() == cache_type, "q and kv_cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 [B, n]");
+  TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window: must be >= 0 (0: no sliding window)");
+  const int64_t B = static_cast<int64_t>(query_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B && block_tables.size(0) >= B,
+              "query_lens, seq_lens and block_tables must have one entry per sequence");
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(query_lens[b] > 0 && seq_lens[b] >= query_lens[b], "seq_lens: each at least its query_lens, > 0");
+    TORCH_CHECK((seq_lens[b] + kv_cache.size(3) - 1) / kv_cache.size(3) <= block_tables.size(1),
+                "block_tables: too few blocks for seq_lens");
+    total += query_lens[b];
+  }
+  TORCH_CHECK(q.size(0) == total, "q: one row per query token (the sum of query_lens)");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < (seq_lens[b] + kv_cache.size(3) - 1) / kv_cache.size(3); ++i)
+      TORCH_CHECK(bt[b * block_tables.size(1) + i] >= 0 && bt[b * block_tables.size(1) + i] < kv_cache.size(0),
+                  "block_tables: a block id out of range");
+  auto out = at::empty_like(q);
+  if (total == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    if (cache_type == at::kFloat8_e4m3fn)
+      prefill::prefill_kernel<scalar_t, c10::Float8_e4m3fn>(q, kv_cache, layer, block_tables, query_lens, seq_lens,
+                                                            scale, window, out);
+    else if (cache_type == at::kFloat8_e5m2)
+      prefill::prefill_kernel<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, query_lens, seq_lens,
+                                                          scale, window, out);
+    else
+      prefill::prefill_kernel<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
+                                                  window, out);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as the linear kernels: the worker's event loop runs meanwhile.
   m.def("use_pool", [](bool on) { claim_pool::enabled() = on; },
@@ -278,4 +631,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0);
+  m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "causal attention of prefill queries over the paged cache (CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("query_lens"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
 }
