@@ -6,6 +6,8 @@
 // namespace: code built for AVX-512 must never be what the linker picks for
 // a caller on an AVX2 machine.
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "linear_isa_api.h"
 
@@ -135,15 +137,29 @@ struct Acc {
 // chains: one row against one panel is a single chain of K dependent FMAs,
 // bound by their latency (4 cycles per 16 weights), not by their throughput.
 // Each output is still one chain over k in order, so the result is the same.
+//
+// `ahead`, where not null, is the panel a later call reads: a float32 panel's
+// row k is one cache line, so asking for line k of it beside each k of this
+// one brings it into L2 while this panel's rows compute (the weights of a
+// model stream from memory every step; alone, the first row tile of each
+// panel waited on them).
 struct F32 {
   static constexpr int NP_MAX = NP_WIDE;
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float*, int64_t,
-                  float* tile) {
+                  float* tile, const uint8_t* ahead) {
     Acc<R> acc[NP];
-    for (int64_t k = 0; k < K; ++k)
-      for (int n = 0; n < NP; ++n)
-        acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
+    if (ahead != nullptr) {
+      for (int64_t k = 0; k < K; ++k) {
+        __builtin_prefetch(ahead + k * NR * 4, 0, 2);
+        for (int n = 0; n < NP; ++n)
+          acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
+      }
+    } else {
+      for (int64_t k = 0; k < K; ++k)
+        for (int n = 0; n < NP; ++n)
+          acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
+    }
     for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
   }
 };
@@ -167,7 +183,7 @@ struct Q4 {
   static constexpr int NP_MAX = NP_WIDE_Q4;
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
-                  int64_t ldxs, float* tile) {
+                  int64_t ldxs, float* tile, const uint8_t*) {
     Acc<R> acc[NP];
     for (int64_t kb = 0; kb < K / QB; ++kb) {
       // Near a panel's end, the start of the panels the next call reads (they follow these in memory).
@@ -190,11 +206,50 @@ struct Q4 {
   }
 };
 
+// Many rows against a 4-bit panel: the panel decoded once (the q values as
+// floats, exact; d and m as stored) into a buffer each row tile then reads,
+// instead of every row tile decoding the nibbles again.  Q4F runs Q4's
+// arithmetic in Q4's order on the decoded values, so its bits are Q4's.
+constexpr int64_t Q4F_BLOCK_FLOATS = (2 + QB) * NR;  // d, m, then QB rows of 16 q values
+
+inline void q4_decode_panel(const uint8_t* p, int64_t K, float* out) {
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q4_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    float* o = out + kb * Q4F_BLOCK_FLOATS;
+    std::memcpy(o, blk, 2 * NR * sizeof(float));
+    for (int64_t kk = 0; kk < QB; kk += 2) {
+      W16 r0, r1;
+      q4_rows(blk + 2 * NR * 4 + kk * 8, r0, r1);
+      std::memcpy(o + (2 + kk) * NR, &r0, sizeof(r0));
+      std::memcpy(o + (3 + kk) * NR, &r1, sizeof(r1));
+    }
+  }
+}
+
+struct Q4F {
+  static constexpr int NP_MAX = 1;
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t, int64_t K, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                  float* tile, const uint8_t*) {
+    static_assert(NP == 1, "Q4F: one panel at a time");
+    const float* dec = reinterpret_cast<const float*>(p);
+    Acc<R> acc;
+    for (int64_t kb = 0; kb < K / QB; ++kb) {
+      const float* blk = dec + kb * Q4F_BLOCK_FLOATS;
+      Acc<R> s;
+      for (int64_t kk = 0; kk < QB; ++kk) s.fma(x, ldx, kb * QB + kk, load16(blk + (2 + kk) * NR));
+      acc.fold(s, load16(blk), load16(blk + NR), xs + kb, ldxs);
+    }
+    acc.store(tile);
+  }
+};
+
 struct Q8 {
   static constexpr int NP_MAX = NP_WIDE;
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float*, int64_t,
-                  float* tile) {
+                  float* tile, const uint8_t*) {
     Acc<R> acc[NP];
     for (int64_t kb = 0; kb < K / QB; ++kb) {
       W16 d[NP];
@@ -209,11 +264,11 @@ struct Q8 {
 
 template <typename Format, int R, int NP>
 inline void run_rows(const uint8_t* panel, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
-                     int64_t ldxs, int64_t rows, float* tile) {
+                     int64_t ldxs, int64_t rows, float* tile, const uint8_t* ahead = nullptr) {
   if constexpr (R > 1) {
-    if (rows < R) return run_rows<Format, R - 1, NP>(panel, pbytes, K, x, ldx, xs, ldxs, rows, tile);
+    if (rows < R) return run_rows<Format, R - 1, NP>(panel, pbytes, K, x, ldx, xs, ldxs, rows, tile, ahead);
   }
-  Format::template run<R, NP>(panel, pbytes, K, x, ldx, xs, ldxs, tile);
+  Format::template run<R, NP>(panel, pbytes, K, x, ldx, xs, ldxs, tile, ahead);
 }
 
 // Copies R rows x 16 of a tile out to y (plus bias), cols of them valid.
@@ -238,6 +293,10 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   const uint8_t* p = static_cast<const uint8_t*>(panels);
   alignas(64) float tile[MR * NR * NP_WIDE];
   int64_t n = 0;
+  // Rows in tiles of at most MR, as even as they divide (32 rows: 5 and 6, not
+  // five of 6 and one of 2, whose few accumulators leave the FMA units idle).
+  // A row's sums never depend on the tile it is in.
+  const int64_t tiles = (rows + MR - 1) / MR;
   if (rows <= MR_WIDE) {  // few rows: several panels at a time
     for (; n + NPW <= np; n += NPW) {
       run_rows<Format, MR_WIDE, NPW>(p + n * pbytes, pbytes, K, x, ldx, xs, ldxs, rows, tile);
@@ -245,10 +304,29 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
         store_tile(tile + j * rows * NR, rows, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y, ldy);
     }
   }
+  if constexpr (std::is_same_v<Format, Q4>) {
+    if (rows > MR) {  // more than one row tile: decode each panel once
+      thread_local std::vector<float> dec;
+      dec.resize(static_cast<size_t>(K / QB * Q4F_BLOCK_FLOATS));
+      for (; n < np; ++n) {
+        q4_decode_panel(p + n * pbytes, K, dec.data());
+        const uint8_t* d = reinterpret_cast<const uint8_t*>(dec.data());
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = rows * t / tiles, r = rows * (t + 1) / tiles - m;
+          run_rows<Q4F, MR, 1>(d, 0, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
+          store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
+        }
+      }
+      return;
+    }
+  }
   for (; n < np; ++n)
-    for (int64_t m = 0; m < rows; m += MR) {
-      const int64_t r = min64(MR, rows - m);
-      run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m = rows * t / tiles, r = rows * (t + 1) / tiles - m;
+      // The first row tile of a panel asks for the next panel (past the last:
+      // the panels that follow in memory, a prefetch never faults).
+      run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile,
+                              t == 0 && tiles > 1 ? p + (n + 1) * pbytes : nullptr);
       store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
     }
 }
