@@ -1,5 +1,5 @@
-"""Builds and loads the CPU kernels (csrc/): decode attention over the paged
-cache and float32 linear layers over packed weights, once per machine, cached
+"""Builds and loads the CPU kernels (csrc/): decode and prefill attention over
+the paged cache and float32 linear layers over packed weights, once per machine, cached
 under the splitserve cache dir.  If a build fails (no compiler, no ninja) the
 engine keeps the pure-torch path."""
 

@@ -1,6 +1,6 @@
-// Paged decode attention for CPUs: one query token per sequence, keys and
-// values read straight from the block-contiguous KV cache (no gather copy, no
-// padding).
+// Paged attention for CPUs, keys and values read from the block-contiguous KV
+// cache (no gather copy, no padding).  Decode: one query token per sequence
+// (below); prefill: a prompt's query tokens (namespace prefill, further down).
 //
 //   q:            [B, Hq, D]
 //   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D], q's dtype or
