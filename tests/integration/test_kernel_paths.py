@@ -2,7 +2,8 @@
 AVX-512): the same logits bit for bit, batched or alone.  With the HF-parity,
 split == monolithic and batch-invariance tests on the default path, this
 carries them to the others (they also pass run whole under
-SPLITSERVE_LINEAR_ISA=<set>)."""
+SPLITSERVE_LINEAR_ISA=<set>).  And a prompt's logits, bit for bit, however
+it was prefilled."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ def test_every_kernel_path_gives_the_same_logits_batched_or_alone(llm: LLM) -> N
     for name in isas[1:]:
         for (t0, l0), (t1, l1) in zip(got[first], got[name], strict=True):
             assert t0 == t1 and torch.equal(l0, l1), f"{name} differs from {first}"
+
+
+def test_a_prompt_gives_the_same_logits_whole_chunked_or_after_a_cached_prefix() -> None:
+    """The CPU prefill attention cuts every query's sums at fixed key positions
+    and the projections are row by row, so a prompt's logits do not depend on
+    how it was prefilled: in one step, in chunks of 48 tokens, or after the
+    first ones came from the prefix cache."""
+    prompt = " ".join(f"Line {i}: the tide rose over the harbour wall and the boats turned."
+                      for i in range(20))
+    common = {"dtype": "float32", "num_blocks": 128, "max_model_len": 512, "num_threads": 2}
+    whole = LLM(**common, enable_prefix_caching=False)  # type: ignore[arg-type]
+    chunked = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=48)  # type: ignore[arg-type]
+    assert len(whole.tokenizer.encode(prompt)) > 4 * 48  # several chunks, several cache blocks
+    tokens, logits = next(run(whole, [prompt]))
+    for time in ("first", "again"):  # again: the prompt's full blocks come from the cache
+        t, lg = next(run(chunked, [prompt]))
+        assert t == tokens and torch.equal(lg, logits), time
+    assert chunked.engine.kv.prefix_hits >= 4 * 48
