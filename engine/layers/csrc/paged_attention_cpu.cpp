@@ -261,7 +261,7 @@ void decode_heads(const at::Tensor& q, const at::Tensor& kv, int64_t layer, cons
 // are never read.
 namespace prefill {
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SPLITSERVE_PREFILL_VW16)  // the latter: AVX-512's tiling, checked on AVX2
 constexpr int VW = 16;
 #else
 constexpr int VW = 8;
