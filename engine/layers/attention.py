@@ -114,56 +114,63 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     """Torch path.  q: [T, Hq, D]; k_new, v_new: [T, Hkv, D] (already written
     to the cache).  Returns [T, Hq, D].  On the CPU, where the compiled kernels
     built and the scores are not soft-capped, decodes and prefills (a head size
-    that is a multiple of 16, a full-precision cache) go through them: they read
-    the cache in place, no gather, no padding."""
+    that is a multiple of 16) go through them: they read the cache in place, no
+    gather, no padding, so a prompt's queries see the same keys (as stored)
+    whether it is prefilled whole, in chunks or after a cached prefix."""
     nd = meta.num_decodes
     on_cpu = use_kernel and q.device.type == "cpu" and softcap is None
     kernel = load_cpu_kernel() if on_cpu else None
-    if kernel is not None and nd == len(meta.query_lens) and not is_fp8(kv_cache.dtype):
-        # Only decodes, a full-precision cache: the kernel's output as it is (the
-        # general path's slicing, scaling by 1 and copying cost a single-stream
-        # step ~1 ms over 30 layers and change no bit).
-        return kernel.paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale,
-                                             window or 0)
-    prefills_done = kernel is not None and q.shape[-1] % 16 == 0 and not is_fp8(kv_cache.dtype)
-    if kernel is not None and prefills_done:
-        # The prefills through the compiled kernel too: causal attention over
-        # the cache in blocks, every query's sums cut at fixed key positions.
-        prefills = kernel.paged_prefill_attention(q[nd:], kv_cache, layer, meta.block_tables[nd:],
-                                                  meta.query_lens[nd:], meta.seq_lens_host[nd:], scale,
-                                                  window or 0)
-        if nd == 0:
-            return prefills  # type: ignore[no-any-return]
-    out = torch.empty_like(q)
-    block_size = kv_cache.shape[3]
-    if prefills_done:
-        out[nd:] = prefills
-    if kernel is not None and nd:
-        # The kernel reads fp8 values as stored: a cache scale s folds into
-        # the softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
-        s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
-        out[:nd] = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd],
-                                                 meta.seq_lens[:nd], scale * s, window or 0) * s
+    # The kernels read fp8 values as stored: a cache scale s folds into the
+    # softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
+    s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
+    parts: list[torch.Tensor] = []
+    if nd and kernel is not None:
+        o = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                          scale * s, window or 0)
+        parts.append(o if s == 1.0 else o * s)
     elif nd:
-        # All decodes in one padded SDPA call.
-        max_len = max(meta.seq_lens_host[:nd])
-        nb = (max_len + block_size - 1) // block_size
-        k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb], q.dtype)
-        key_pos = torch.arange(nb * block_size, device=q.device)
-        mask = key_pos[None, :] < meta.seq_lens[:nd, None]  # [Bd, L]
-        if window is not None:
-            mask &= key_pos[None, :] >= meta.seq_lens[:nd, None] - window
-        qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-        out[:nd] = attend(qd, k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
-    start = nd
-    for i in range(nd, 0 if prefills_done else meta.num_seqs):
+        parts.append(_torch_decodes(q[:nd], kv_cache, layer, meta, scale, window, softcap))
+    if nd < meta.num_seqs and kernel is not None and q.shape[-1] % 16 == 0:
+        o = kernel.paged_prefill_attention(q[nd:], kv_cache, layer, meta.block_tables[nd:],
+                                           meta.query_lens[nd:], meta.seq_lens_host[nd:],
+                                           scale * s, window or 0)
+        parts.append(o if s == 1.0 else o * s)
+    elif nd < meta.num_seqs:
+        parts.append(_torch_prefills(q, k_new, v_new, kv_cache, layer, meta, scale, window, softcap))
+    # A single-stream step is one decode: its output as the kernel made it.
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _torch_decodes(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
+                   scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """The decodes' rows (q: [Bd, Hq, D]) in one padded SDPA call."""
+    nd = q.shape[0]
+    block_size = kv_cache.shape[3]
+    nb = (max(meta.seq_lens_host[:nd]) + block_size - 1) // block_size
+    k, v = _gather(kv_cache, layer, meta.block_tables[:nd, :nb], q.dtype)
+    key_pos = torch.arange(nb * block_size, device=q.device)
+    mask = key_pos[None, :] < meta.seq_lens[:nd, None]  # [Bd, L]
+    if window is not None:
+        mask &= key_pos[None, :] >= meta.seq_lens[:nd, None] - window
+    return attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
+
+
+def _torch_prefills(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
+                    layer: int, meta: AttentionMetadata, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """The prefills' rows (those after the decodes in q), one SDPA call each."""
+    nd = meta.num_decodes
+    block_size = kv_cache.shape[3]
+    out = torch.empty_like(q[nd:])
+    start = 0
+    for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens[i], meta.seq_lens_host[i]
-        end = start + q_len
-        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        rows = slice(nd + start, nd + start + q_len)
+        qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if q_len == seq_len and (window is None or q_len <= window):
             # No cached prefix: the new keys are the whole context, all in sight.
-            ki = k_new[start:end].transpose(0, 1).unsqueeze(0)
-            vi = v_new[start:end].transpose(0, 1).unsqueeze(0)
+            ki = k_new[rows].transpose(0, 1).unsqueeze(0)
+            vi = v_new[rows].transpose(0, 1).unsqueeze(0)
             o = attend(qi, ki, vi, None, scale, softcap)
         else:
             nb = (seq_len + block_size - 1) // block_size
@@ -172,6 +179,6 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = visible(q_pos, torch.arange(seq_len, device=q.device), window)  # [q_len, seq_len]
             o = attend(qi, ki, vi, mask, scale, softcap)
-        out[start:end] = o[0].transpose(0, 1)
-        start = end
+        out[start:start + q_len] = o[0].transpose(0, 1)
+        start += q_len
     return out

@@ -66,14 +66,17 @@ def test_every_kernel_path_gives_the_same_logits_batched_or_alone(llm: LLM) -> N
             assert t0 == t1 and torch.equal(l0, l1), f"{name} differs from {first}"
 
 
-def test_a_prompt_gives_the_same_logits_whole_chunked_or_after_a_cached_prefix() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_a_prompt_gives_the_same_logits_whole_chunked_or_after_a_cached_prefix(kv_cache_dtype: str) -> None:
     """The CPU prefill attention cuts every query's sums at fixed key positions
     and the projections are row by row, so a prompt's logits do not depend on
     how it was prefilled: in one step, in chunks of 48 tokens, or after the
-    first ones came from the prefix cache."""
+    first ones came from the prefix cache.  With an fp8 cache too: every query
+    reads the keys as stored, its own chunk's included."""
     prompt = " ".join(f"Line {i}: the tide rose over the harbour wall and the boats turned."
                       for i in range(20))
-    common = {"dtype": "float32", "num_blocks": 128, "max_model_len": 512, "num_threads": 2}
+    common = {"dtype": "float32", "num_blocks": 128, "max_model_len": 512, "num_threads": 2,
+              "kv_cache_dtype": kv_cache_dtype}
     whole = LLM(**common, enable_prefix_caching=False)  # type: ignore[arg-type]
     chunked = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=48)  # type: ignore[arg-type]
     assert len(whole.tokenizer.encode(prompt)) > 4 * 48  # several chunks, several cache blocks

@@ -12,6 +12,7 @@ import torch
 
 from engine.layers.attention import paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.kv_quant import FP8_DTYPES, dequantize, quantize
 from tests.unit.test_triton_attention import LAYER, _make_step
 
 
@@ -106,6 +107,25 @@ def test_the_engine_path_uses_it_and_agrees_with_the_torch_path(kernel: ModuleTy
     assert torch.equal(fast[2:], prefill_rows)
     assert (fast - slow).abs().max().item() < 1e-5
     assert (fast - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("fmt", "tol"), [("fp8_e4m3", 0.15), ("fp8_e5m2", 0.3)])
+def test_an_fp8_cache_reads_as_its_dequantized_values(kernel: ModuleType, fmt: str, tol: float) -> None:
+    """An fp8 cache goes through the kernels too, decodes and prefills: the same
+    as them over the cache dequantized to float32, and near the dense reference
+    over the unquantized keys (fp8's own rounding apart)."""
+    seqs = [(1, 30), (1, 70), (60, 60), (25, 90)]
+    gen = torch.Generator().manual_seed(11)
+    q, k_new, v_new, kv_cache, meta, expected = _make_step(seqs, 16, 9, 3, 64, gen)
+    kv8 = quantize(kv_cache, FP8_DTYPES[fmt])
+    out = paged_attention(q, k_new, v_new, kv8, LAYER, meta, 0.125)
+    prefill_rows = kernel.paged_prefill_attention(q[2:], kv8, LAYER, meta.block_tables[2:],
+                                                  meta.query_lens[2:], meta.seq_lens_host[2:], 0.125)
+    assert torch.equal(out[2:], prefill_rows)
+    wide = paged_attention(q, k_new, v_new, dequantize(kv8, torch.float32), LAYER, meta, 0.125)
+    assert (out - wide).abs().max().item() < 1e-5
+    err = (out - expected).abs().max().item()
+    assert 0 < err < tol  # fp8 rounds the keys: not the unquantized result, but near it
 
 
 def test_bad_input_is_refused(kernel: ModuleType) -> None:

@@ -148,17 +148,17 @@ struct F32 {
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float*, int64_t,
                   float* tile, const uint8_t* ahead) {
+    if (ahead != nullptr) return rows<R, NP, true>(p, pbytes, K, x, ldx, tile, ahead);
+    rows<R, NP, false>(p, pbytes, K, x, ldx, tile, nullptr);
+  }
+  template <int R, int NP, bool PREFETCH>
+  static void rows(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, float* tile,
+                   const uint8_t* ahead) {
     Acc<R> acc[NP];
-    if (ahead != nullptr) {
-      for (int64_t k = 0; k < K; ++k) {
-        __builtin_prefetch(ahead + k * NR * 4, 0, 2);
-        for (int n = 0; n < NP; ++n)
-          acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
-      }
-    } else {
-      for (int64_t k = 0; k < K; ++k)
-        for (int n = 0; n < NP; ++n)
-          acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
+    for (int64_t k = 0; k < K; ++k) {
+      if constexpr (PREFETCH) __builtin_prefetch(ahead + k * NR * 4, 0, 2);
+      for (int n = 0; n < NP; ++n)
+        acc[n].fma(x, ldx, k, load16(reinterpret_cast<const float*>(p + n * pbytes) + k * NR));
     }
     for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
   }

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -428,16 +429,21 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   const int64_t B = static_cast<int64_t>(query_lens.size());
 
   // Each sequence's keys and values for each KV head, once, in float32: K as
-  // tiles of 16 keys [D][16], V as rows [D], from the first key any of its
-  // queries sees (the earlier ones stay zero and are never read).
+  // tiles of 16 keys [D][16], V as rows [D], read from the first key any of
+  // its queries sees (the earlier ones are packed as zeros).
   std::vector<int64_t> qstart(B + 1, 0), kstart(B + 1, 0), klo(B);
   for (int64_t b = 0; b < B; ++b) {
     qstart[b + 1] = qstart[b] + query_lens[b];
     const int64_t first = seq_lens[b] - query_lens[b];
     klo[b] = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    kstart[b + 1] = kstart[b] + (seq_lens[b] + BK - 1) / BK * BK * Hkv * D;  // whole blocks, zero padded
+    // Whole blocks of keys; the tiles past the last key's are never read.
+    kstart[b + 1] = kstart[b] + (seq_lens[b] + BK - 1) / BK * BK * Hkv * D;
   }
-  std::vector<float> kpack(kstart[B]), vpack(kstart[B]);
+  // Not zero-filled first: the packing below writes every tile up to the
+  // sequence's last key whole, the keys out of sight as zeros.
+  std::unique_ptr<float[]> kpack(new float[kstart[B]]), vpack(new float[kstart[B]]);
+  // Sequence b's keys for KV head hk start here (in kpack, and in vpack).
+  auto region = [&](int64_t b, int64_t hk) { return kstart[b] + hk * ((kstart[b + 1] - kstart[b]) / Hkv); };
   std::vector<int64_t> tile_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) tile_start[b + 1] = tile_start[b] + Hkv * ((seq_lens[b] + KT - 1) / KT);
   parallel_claim(tile_start[B], 4, [&](int64_t begin, int64_t end) {
@@ -447,12 +453,16 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
       while (tile_start[b + 1] <= t) ++b;
       const int64_t tiles = (seq_lens[b] + KT - 1) / KT;
       const int64_t hk = (t - tile_start[b]) / tiles, tile = (t - tile_start[b]) % tiles;
-      float* kt = kpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv + tile * KT * D;
-      float* vr = vpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv + tile * KT * D;
+      float* kt = kpack.get() + region(b, hk) + tile * KT * D;
+      float* vr = vpack.get() + region(b, hk) + tile * KT * D;
       const int32_t* table = bt + b * bt_stride;
       for (int64_t i = 0; i < KT; ++i) {
         const int64_t pos = tile * KT + i;
-        if (pos < klo[b] || pos >= seq_lens[b]) continue;
+        if (pos < klo[b] || pos >= seq_lens[b]) {
+          for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = 0.f;
+          std::fill(vr + i * D, vr + (i + 1) * D, 0.f);
+          continue;
+        }
         const cache_t* krow = base + table[pos / bs] * s_blk + (pos % bs) * s_tok + hk * s_head;
         const float* kf = as_floats(krow, rowbuf.data(), D);
         for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = kf[d];
@@ -484,8 +494,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
       const Task& task = tasks[ti];
       const int64_t b = task.seq, hk = task.head;
       const int64_t first = seq_lens[b] - query_lens[b];
-      const float* kp = kpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv;
-      const float* vp = vpack.data() + kstart[b] + hk * (kstart[b + 1] - kstart[b]) / Hkv;
+      const float* kp = kpack.get() + region(b, hk);
+      const float* vp = vpack.get() + region(b, hk);
       const int64_t rows = (task.q1 - task.q0) * G;
       // Row rho = (query i, head g): scaled q, its visible keys [lo, hi).
       for (int64_t i = 0; i < task.q1 - task.q0; ++i) {
