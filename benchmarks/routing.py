@@ -10,6 +10,18 @@ measured by the client on streamed responses) and the prefix-cache hit rate
 of the prefill workers (read from the frontend's /metrics).
 
     python -m benchmarks.routing [--prefixes 4] [--prefix-len 1000] [--requests 32]
+
+--chat-turns T measures multi-turn chats instead, kv-aware routing only: each
+of --prefixes conversations starts from its own prompt; each turn adds 16
+tokens of question to the conversation so far and gets a --reply-len reply
+(streamed over the frontend's gRPC, which returns token ids), so turn k + 1's
+prompt is turn k's plus its reply and the new question.  Run twice on fresh
+workers: with --local-prefill-threshold 32, where the decode worker, which
+decoded the replies, prefills a turn's short tail itself, and with 0, where
+every turn goes to a prefill worker (which recomputes the replies it never
+saw).  Reports TTFT over the turns after the first.
+
+    python -m benchmarks.routing --chat-turns 4 [--prefixes 4] [--prefix-len 1000]
 """
 
 from __future__ import annotations
@@ -23,12 +35,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.ttft_split import wait  # a worker's ready file -> its address
+from protos import pb, pb_grpc
 from services.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +55,7 @@ POLICIES = ("kv-aware", "round-robin", "random")
 class Stack:
     """2 prefill + 1 decode workers and a frontend, on free loopback ports."""
 
-    def __init__(self, policy: str, prefill_blocks: int, tmp: Path) -> None:
+    def __init__(self, policy: str, prefill_blocks: int, tmp: Path, threshold: int = 32) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         flags = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "2048"]
         ready = {}
@@ -48,14 +64,16 @@ class Stack:
                  "decode": ["--prefill", f"127.0.0.1:{ports['pa']},127.0.0.1:{ports['pb']}"]}
         for name, role, blocks in (("pa", "prefill", prefill_blocks), ("pb", "prefill", prefill_blocks),
                                    ("d0", "decode", 512)):
-            ready[name] = tmp / f"{policy}-{name}.addr"
+            ready[name] = tmp / f"{policy}-t{threshold}-{name}.addr"  # one file per stack
             self._spawn([f"services.{role}", "--worker-id", name, *flags, "--num-blocks", str(blocks),
                          "--ready-file", str(ready[name]), "--grpc-port", str(ports[name]), *peers[role]])
         addr = {name: wait(path) for name, path in ready.items()}
         self.url = f"http://127.0.0.1:{free_port()}"
-        self._spawn(["services.frontend", "--port", self.url.rsplit(":", 1)[1], "--grpc-port",
-                     str(free_port()), "--decode", addr["d0"], "--prefill", f"{addr['pa']},{addr['pb']}",
-                     "--routing", policy, "--local-prefill-threshold", "32", "--log-level", "warning"])
+        self.grpc = f"127.0.0.1:{free_port()}"
+        self._spawn(["services.frontend", "--port", self.url.rsplit(":", 1)[1],
+                     "--grpc-port", self.grpc.rsplit(":", 1)[1], "--decode", addr["d0"],
+                     "--prefill", f"{addr['pa']},{addr['pb']}", "--routing", policy,
+                     "--local-prefill-threshold", str(threshold), "--log-level", "warning"])
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -129,6 +147,88 @@ async def run_workload(url: str, prompts: list[list[int]], concurrency: int) -> 
     return ttfts
 
 
+# A chat turn's new tokens: with what the decode worker holds in partial blocks
+# (< 16), the tail stays under the threshold (32).
+QUESTION = 16
+
+
+def chat_turn(grpc_address: str, prompt: list[int], reply_len: int) -> tuple[float, list[int]]:
+    """One streamed turn over the frontend's gRPC -> (TTFT seconds, the reply's token ids)."""
+    req = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=prompt),
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True))
+    start = time.perf_counter()
+    first = None
+    reply: list[int] = []
+    with grpc.insecure_channel(grpc_address) as ch:
+        for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=600):
+            if first is None and r.token_ids:
+                first = time.perf_counter() - start
+            reply.extend(r.token_ids)
+    assert first is not None and len(reply) == reply_len
+    return first, reply
+
+
+def run_chats(grpc_address: str, args: argparse.Namespace) -> list[float]:
+    """Every conversation at once, each turn after the one before; the TTFTs of turns 2.."""
+    rng = random.Random(args.seed)
+    starts = [[rng.randrange(100, 40000) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
+    questions = [[[rng.randrange(100, 40000) for _ in range(QUESTION)] for _ in range(args.chat_turns)]
+                 for _ in range(args.prefixes)]
+
+    def conversation(c: int) -> list[float]:
+        history, ttfts = starts[c], []
+        for turn in range(args.chat_turns):
+            prompt = history + questions[c][turn]
+            ttft, reply = chat_turn(grpc_address, prompt, args.reply_len)
+            if turn:
+                ttfts.append(ttft)
+            history = prompt + reply
+        return ttfts
+
+    with ThreadPoolExecutor(args.prefixes) as pool:
+        return [t for ts in pool.map(conversation, range(args.prefixes)) for t in ts]
+
+
+TTFT_MEAN, TTFT_P50 = ("TTFT mean ms", "ttft_mean_ms", 13, ".0f"), ("p50 ms", "ttft_p50_ms", 9, ".0f")
+
+
+def ttft_summary(ttfts: list[float]) -> dict[str, float]:
+    """TTFTs in seconds -> their mean, p50, p99 and max in ms."""
+    t = sorted(ttfts)
+    return {"ttft_mean_ms": 1000 * statistics.fmean(t), "ttft_p50_ms": 1000 * t[len(t) // 2],
+            "ttft_p99_ms": 1000 * t[min(len(t) - 1, round(0.99 * (len(t) - 1)))], "ttft_max_ms": 1000 * t[-1]}
+
+
+def report(name: str, title: str, rows: list[dict[str, Any]], label: tuple[str, int],
+           columns: list[tuple[str, str, int, str]]) -> None:
+    """The rows as a table (label: key, width; columns: heading, key, width, format), then as JSON."""
+    print(title)
+    print(f"{label[0]:<{label[1]}} " + " ".join(f"{head:>{width}}" for head, _, width, _ in columns))
+    for r in rows:
+        cells = (f"{r[key]:>{width}{fmt}}" for _, key, width, fmt in columns)
+        print(f"{r[label[0]]:<{label[1]}} " + " ".join(cells))
+    print(json.dumps({"benchmark": name, "rows": rows}))
+
+
+def main_chat(args: argparse.Namespace) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for threshold, label in ((32, "kv-aware, decode worker prefills a short tail"),
+                                 (0, "kv-aware, every turn to a prefill worker")):
+            stack = Stack("kv-aware", args.prefill_blocks, Path(tmp), threshold)
+            try:
+                ttfts = run_chats(stack.grpc, args)
+            finally:
+                stack.close()
+            rows.append({"routing": label, "threshold": threshold, **ttft_summary(ttfts)})
+    report("routing-chat",
+           f"{args.prefixes} chats of {args.chat_turns} turns: a {args.prefix_len}-token start, then "
+           f"{QUESTION} tokens of question and a {args.reply_len}-token reply a turn; 2 prefill "
+           f"({args.prefill_blocks} blocks each) + 1 decode; TTFT of turns 2..",
+           rows, ("routing", 48), [TTFT_MEAN, TTFT_P50, ("max ms", "ttft_max_ms", 9, ".0f")])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefixes", type=int, default=4, help="distinct shared system prompts")
@@ -139,7 +239,13 @@ def main() -> int:
                     help="KV blocks per prefill worker (160 x 16 tokens: about 2.5 of the shared prompts)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reply-len", type=int, default=32, help="--chat-turns: tokens a reply")
+    ap.add_argument("--chat-turns", type=int, default=0,
+                    help="> 0: multi-turn chats instead (see above), kv-aware routing with and without "
+                         "the decode worker prefilling a short tail")
     args = ap.parse_args()
+    if args.chat_turns > 0:
+        return main_chat(args)
     prompts = workload(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,19 +258,14 @@ def main() -> int:
                 after = prefill_counters(stack.url)
             finally:
                 stack.close()
-            ttfts.sort()
             hits, queries = after["hits"] - before["hits"], after["queries"] - before["queries"]
-            rows.append({"policy": policy, "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
-                         "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2],
-                         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+            rows.append({"policy": policy, **ttft_summary(ttfts),
                          "prefix_hit_rate": hits / queries if queries else 0.0})
-    print(f"{args.requests} requests, {args.prefixes} shared prompts of {args.prefix_len} tokens + 24, "
-          f"concurrency {args.concurrency}, 2 prefill ({args.prefill_blocks} blocks each) + 1 decode")
-    print(f"{'policy':<12} {'TTFT mean ms':>13} {'p50 ms':>9} {'p99 ms':>9} {'prefix hit rate':>16}")
-    for r in rows:
-        print(f"{r['policy']:<12} {r['ttft_mean_ms']:>13.0f} {r['ttft_p50_ms']:>9.0f} "
-              f"{r['ttft_p99_ms']:>9.0f} {r['prefix_hit_rate']:>16.1%}")
-    print(json.dumps({"benchmark": "routing", "rows": rows}))
+    report("routing",
+           f"{args.requests} requests, {args.prefixes} shared prompts of {args.prefix_len} tokens + 24, "
+           f"concurrency {args.concurrency}, 2 prefill ({args.prefill_blocks} blocks each) + 1 decode",
+           rows, ("policy", 12), [TTFT_MEAN, TTFT_P50, ("p99 ms", "ttft_p99_ms", 9, ".0f"),
+                                  ("prefix hit rate", "prefix_hit_rate", 16, ".1%")])
     return 0
 
 

@@ -31,7 +31,8 @@ class FrontendConfig:
     # through their Redis registrations (services/discovery.py) instead.
     decode: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
-    # Prompts shorter than this many tokens are prefilled on the decode worker itself.
+    # Prompts shorter than this many tokens are prefilled on the decode worker itself
+    # (kv-aware routing: also prompts with fewer past that worker's cached prefix).
     local_prefill_threshold: int = 64
     # How long startup waits for every worker's Info before serving anyway.
     worker_wait_seconds: float = 120.0
@@ -151,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode workers: host:port[,host:port...] (none: discover them, see --redis-url)")
     p.add_argument("--prefill", type=_addresses, default=(), help="prefill workers: host:port[,host:port...]")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULTS.local_prefill_threshold,
-                   help="prompts with fewer tokens are prefilled on the decode worker")
+                   help="prompts with fewer tokens are prefilled on the decode worker; with kv-aware "
+                        "routing, so are prompts with fewer past the decode worker's own cached prefix")
     p.add_argument("--worker-wait", type=float, default=DEFAULTS.worker_wait_seconds,
                    help="seconds startup waits for the workers to answer Info")
     p.add_argument("--load-interval", type=float, default=DEFAULTS.load_interval_seconds,

@@ -23,8 +23,9 @@ class KVAwareRouter(LoadRouter):
     blocks per queued request for what every request costs whatever its
     cache hit: a step, sampling, sending its KV), lowest wins.  Decode:
     LoadRouter's order, with the decode worker's own prefix hit as the
-    tie-breaker (a hit there means fewer blocks to send).  If the index
-    fails: load only."""
+    tie-breaker (a hit there means fewer blocks to send); where that worker
+    holds all of the prompt but less than local_prefill_threshold tokens, it
+    prefills the rest itself.  If the index fails: load only."""
 
     def __init__(self, index: PrefixIndex, layout: Callable[[], tuple[int, str] | None],
                  local_prefill_threshold: int = 64, queue_weight: float = 1.0,
@@ -63,6 +64,14 @@ class KVAwareRouter(LoadRouter):
                                              -hits.get(w.worker_id, 0), -w.free_blocks, w.address))
         if not remote:
             self.decisions["local_prefill"] += 1
+            return Route(decode.address)
+        tail = len(request.prompt_token_ids) - hits.get(decode.worker_id, 0) * block_size
+        if tail < self.local_prefill_threshold:
+            # The decode worker holds all but a short tail of the prompt (a chat's
+            # next turn: it decoded the earlier replies, which no prefill worker
+            # holds): it computes the tail itself, where a prefill worker would
+            # recompute what it lacks and send blocks the decode worker has.
+            self.decisions["decode_prefix_hit"] += 1
             return Route(decode.address)
 
         def cost(w: WorkerLoad) -> tuple[float, str]:

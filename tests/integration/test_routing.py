@@ -21,12 +21,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.vocab.hashing import cache_model_key, extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
-from .procs import ROOT, Proc, address, free_port, peer_flag, start_worker
+from .procs import ROOT, Proc, Stream, address, free_port, peer_flag, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
 PREFIX_TOKENS = 496  # the shared system prompt: 31 full blocks (a 1-thread prefill of it: about 2.5 s)
 PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK
+# Each request's own suffix.  The decode worker holds the shared prefix too (its
+# KV landed there), and a tail under the frontends' --local-prefill-threshold
+# (32) past what it holds would be prefilled there, no prefill worker asked.
+SUFFIX_TOKENS = 48
 HEARTBEAT_TTL_S = 2.0  # the frontend's: max(2 s, 10 load intervals of 0.2 s)
 WORKER_ARGS = ["--num-blocks", "400", "--max-model-len", "2048"]
 
@@ -60,18 +64,20 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
                                  "--grpc-port", str(decode_port),
                                  *peer_flag("decode", [address(p) for p in prefill_ports.values()]))
     frontends = []
+    grpc_ports = []
     try:
         for w in workers.values():
             w.wait_ready()
         prefill_addrs = ",".join(f"127.0.0.1:{port}" for port in prefill_ports.values())
         for name, extra in (("kv-aware", []), ("round-robin", []),
                             ("redis", ["--redis-url", f"redis://127.0.0.1:{redis_port}"])):
-            port = free_port()
+            port, grpc_port = free_port(), free_port()
+            grpc_ports.append(grpc_port)
             routing = "round-robin" if name == "round-robin" else "kv-aware"
             with open(tmp / f"frontend-{name}.log", "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port",
-                     str(free_port()), "--decode", workers["d0"].address, "--prefill", prefill_addrs,
+                     str(grpc_port), "--decode", workers["d0"].address, "--prefill", prefill_addrs,
                      "--local-prefill-threshold", "32", "--routing", routing, "--log-level", "warning",
                      *extra],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -86,7 +92,8 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        yield {"urls": [url for _, url in frontends], "redis": redis, "redis_port": redis_port,
+        yield {"urls": [url for _, url in frontends], "grpc": [address(p) for p in grpc_ports],
+               "redis": redis, "redis_port": redis_port,
                "workers": workers, "prefill_ports": prefill_ports, "decode_port": decode_port, "tmp": tmp}
     finally:
         for r in redis:
@@ -111,6 +118,11 @@ def per_worker(metrics: dict, name: str) -> dict[str, float]:  # type: ignore[ty
     """worker id -> value of a prefill worker's sample `name`."""
     return {dict(labels)["worker"]: v for (n, labels), v in metrics.items()
             if n == name and dict(labels).get("role") == "prefill"}
+
+
+def of_worker(metrics: dict, name: str, worker: str) -> float:  # type: ignore[type-arg]
+    """Sample `name` of one worker (by id), as a frontend last heard it."""
+    return next(v for (n, labels), v in metrics.items() if n == name and dict(labels).get("worker") == worker)
 
 
 def decisions(metrics: dict) -> dict[str, float]:  # type: ignore[type-arg]
@@ -153,9 +165,9 @@ def run_shared_prefix(url: str, seed: int, n: int) -> None:
     rest 4 at a time (few enough that the prefix's holder stays the cheapest)."""
     rng = random.Random(seed)
     prefix = tokens(rng, PREFIX_TOKENS)
-    complete(url, prefix + tokens(rng, 24))
+    complete(url, prefix + tokens(rng, SUFFIX_TOKENS))
     wait_indexed(url, PREFIX_BLOCKS)
-    rest = [prefix + tokens(rng, 24) for _ in range(n - 1)]
+    rest = [prefix + tokens(rng, SUFFIX_TOKENS) for _ in range(n - 1)]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda prompt: complete(url, prompt), rest))
 
@@ -219,7 +231,7 @@ def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # typ
     rng = random.Random(4)
     prefix = tokens(rng, PREFIX_TOKENS)
     for _ in range(2):
-        complete(url, prefix + tokens(rng, 24))  # every request still completes
+        complete(url, prefix + tokens(rng, SUFFIX_TOKENS))  # every request still completes
     metrics = scrape(url)
     assert total(metrics, "splitserve_index_fallbacks_total") >= 2
     assert decisions(metrics).get("index_fallback", 0) >= 2
@@ -227,7 +239,7 @@ def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # typ
     time.sleep(1.0)  # the next load reports resync each worker's blocks into the fresh Redis
     before = decisions(scrape(url))
     for _ in range(2):
-        complete(url, prefix + tokens(rng, 24))  # the prefix seen while Redis was down
+        complete(url, prefix + tokens(rng, SUFFIX_TOKENS))  # the prefix seen while Redis was down
     metrics = scrape(url)
     after = decisions(metrics)
     hits = after.get("prefix_hit", 0) - before.get("prefix_hit", 0)
@@ -241,7 +253,7 @@ def test_load_beats_affinity_under_a_flood_on_one_hot_prefix(stack) -> None:  # 
     url = stack["urls"][0]
     rng = random.Random(5)
     hot = tokens(rng, PREFIX_TOKENS)
-    complete(url, hot + tokens(rng, 24))
+    complete(url, hot + tokens(rng, SUFFIX_TOKENS))
     wait_indexed(url, PREFIX_BLOCKS)
     before = scrape(url)
     # Each cached request still costs its holder its suffix (160 tokens: 10.5
@@ -271,7 +283,7 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
     kv_url, _, redis_url_frontend = stack["urls"]
     rng = random.Random(6)
     prefix = tokens(rng, PREFIX_TOKENS)
-    complete(kv_url, prefix + tokens(rng, 24))
+    complete(kv_url, prefix + tokens(rng, SUFFIX_TOKENS))
     wait_indexed(kv_url, PREFIX_BLOCKS)
     cluster = httpx.get(f"{kv_url}/cluster").json()
     model_id = next(w["model_id"] for w in cluster["workers"] if w["model_id"])
@@ -300,7 +312,7 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
                 time.sleep(0.05)
         before = per_worker(scrape(kv_url), "splitserve_worker_requests_routed_total")
         for _ in range(3):
-            complete(kv_url, prefix + tokens(rng, 24))  # served by the survivor
+            complete(kv_url, prefix + tokens(rng, SUFFIX_TOKENS))  # served by the survivor
         routed = diff(per_worker(scrape(kv_url), "splitserve_worker_requests_routed_total"), before)
         assert routed[holder] == 0 and routed[other] == 3
 
@@ -316,3 +328,40 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
         assert index.longest_prefix(hashes).get(other, 0) >= PREFIX_BLOCKS
     finally:
         index.close()
+
+
+def test_a_chats_next_turn_is_prefilled_on_the_decode_worker_that_holds_it(stack) -> None:  # type: ignore[no-untyped-def]
+    """Turn 1 is prefilled on a prefill worker and its reply decoded on d0, so
+    only d0 holds the reply's blocks.  Turn 2 (turn 1, the reply, 8 new tokens)
+    leaves d0 less than the threshold (32) past what it holds: d0 computes that
+    tail itself, from its own prefix cache; no prefill worker is asked (one
+    would recompute the reply it never saw, then send blocks d0 has)."""
+    url, grpc_address = stack["urls"][0], stack["grpc"][0]
+    rng = random.Random(7)
+    turn1 = tokens(rng, 200)
+    reply = Stream(grpc_address, turn1, max_tokens=64).complete()
+    assert len(reply) == 64
+    # A load report from after the reply ended carries d0's last cache events
+    # (its last full block filled 8 steps before the end; the reports come
+    # every 0.2 s, and those during the reply said running 1).
+    deadline = time.monotonic() + 10
+    while True:
+        m = scrape(url)
+        if of_worker(m, "splitserve_worker_running_requests", "d0") == 0 and \
+                of_worker(m, "splitserve_worker_waiting_requests", "d0") == 0:
+            break
+        assert time.monotonic() < deadline, "d0 never reported the reply finished"
+        time.sleep(0.05)
+    before = scrape(url)
+    turn2 = Stream(grpc_address, turn1 + reply + tokens(rng, 8), max_tokens=4)
+    assert len(turn2.complete()) == 4 and turn2.finish_reason == "length"
+    after = scrape(url)
+    assert diff(decisions(after), decisions(before)).get("decode_prefix_hit") == 1
+    assert diff(per_worker(after, "splitserve_worker_requests_routed_total"),
+                per_worker(before, "splitserve_worker_requests_routed_total")) == {"pa": 0, "pb": 0}
+    # d0 found the 16 full blocks of turn 1 and its reply in its own cache.
+    hits0 = of_worker(before, "splitserve_worker_prefix_cache_hits_total", "d0")
+    deadline = time.monotonic() + 10
+    while of_worker(scrape(url), "splitserve_worker_prefix_cache_hits_total", "d0") < hits0 + 16 * BLOCK:
+        assert time.monotonic() < deadline, "d0 did not report the turn's prefix hit"
+        time.sleep(0.05)
