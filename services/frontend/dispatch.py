@@ -177,7 +177,7 @@ class Dispatcher:
         decodes = self.pool.healthy("decode", exclude=exclude, model_key=model_key)
         prefills = self.pool.healthy("prefill")
         request = RouteRequest(job.request_id, job.prompt_token_ids, job.cache_salt,
-                               job.lora.digest if job.lora else "")
+                               job.lora.digest if job.lora else "", job.params.prompt_logprobs is None)
         route = self.router.route(request, [w.snapshot() for w in decodes], [w.snapshot() for w in prefills])
         if route is None:
             if trace is not None:

@@ -66,7 +66,7 @@ class KVAwareRouter(LoadRouter):
             self.decisions["local_prefill"] += 1
             return Route(decode.address)
         tail = len(request.prompt_token_ids) - hits.get(decode.worker_id, 0) * block_size
-        if tail < self.local_prefill_threshold:
+        if request.prefix_cache and tail < self.local_prefill_threshold:
             # The decode worker holds all but a short tail of the prompt (a chat's
             # next turn: it decoded the earlier replies, which no prefill worker
             # holds): it computes the tail itself, where a prefill worker would

@@ -36,6 +36,7 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     cache_salt: str = ""
     lora_id: str = ""  # the adapter's digest, a block-hash key; empty: the base model
+    prefix_cache: bool = True  # False: the request computes its whole prompt (it asks for prompt logprobs)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ from .test_routing import complete, decisions, scrape, tokens, total
 from .test_worker_faults import first_report
 
 PREFIX = 96  # tokens: 6 full blocks, over the frontend's local-prefill threshold
+# A request's own tokens after the prefix: past the threshold, so the decode worker,
+# which holds the prefix too, does not prefill the request itself (no prefill
+# worker asked, so no prefill routing to watch).
+SUFFIX = 40
 WORKER_ARGS = ["--num-blocks", "128"]
 
 
@@ -97,7 +101,7 @@ class Clients:
     def _run(self, i: int) -> None:
         rng = random.Random(i)
         while not self._stop.is_set():
-            prompt = self.prefix + tokens(rng, 8) if i == 0 else tokens(rng, 12)
+            prompt = self.prefix + tokens(rng, SUFFIX) if i == 0 else tokens(rng, 12)
             try:
                 complete(self.url, prompt)
                 self.done += 1
@@ -121,7 +125,7 @@ def recovered(stack: Stack, prefix: list[int], timeout: float = 60) -> None:
     before = stack.prefix_hits()
 
     def hit() -> bool:
-        complete(stack.frontend.url, prefix + tokens(stack.rng, 8))
+        complete(stack.frontend.url, prefix + tokens(stack.rng, SUFFIX))
         return stack.prefix_hits() > before
 
     wait_until(hit, timeout, "routing never used the prefix index again")

@@ -145,6 +145,10 @@ def test_a_prompt_the_decode_worker_nearly_holds_is_prefilled_there() -> None:
         r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
         assert r is not None and r.decode == "d0:1" and r.prefill == want, held
         assert router.decisions == {reason: 1}, held
+    # A request that computes its whole prompt (prompt logprobs) takes no cached prefix anywhere.
+    router = KVAwareRouter(index_with("d0", 10), lambda: (BS, MODEL), local_prefill_threshold=8)
+    r = router.route(RouteRequest("r", PROMPT, prefix_cache=False), D, [p("p0")])
+    assert r is not None and r.prefill == "p0:1"
     # The hit that counts is the chosen decode worker's: another's does not keep it local.
     router = KVAwareRouter(index_with("d1", 10), lambda: (BS, MODEL), local_prefill_threshold=8)
     busy = WorkerLoad("d1:1", "d1", running=5, free_blocks=100, total_blocks=100)
