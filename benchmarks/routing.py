@@ -57,6 +57,13 @@ class Stack:
 
     def __init__(self, policy: str, prefill_blocks: int, tmp: Path, threshold: int = 32) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(policy, prefill_blocks, tmp, threshold)
+        except BaseException:
+            self.close()  # what did start stops: a failed start leaves no worker behind
+            raise
+
+    def _start(self, policy: str, prefill_blocks: int, tmp: Path, threshold: int) -> None:
         flags = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "2048"]
         ready = {}
         ports = {name: free_port() for name in ("pa", "pb", "d0")}

@@ -32,7 +32,8 @@ class FrontendConfig:
     decode: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
     # Prompts shorter than this many tokens are prefilled on the decode worker itself
-    # (kv-aware routing: also prompts with fewer past that worker's cached prefix).
+    # (kv-aware routing: also prompts with fewer past that worker's cached prefix,
+    # where it holds more of them than any prefill worker).
     local_prefill_threshold: int = 64
     # How long startup waits for every worker's Info before serving anyway.
     worker_wait_seconds: float = 120.0
@@ -153,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=_addresses, default=(), help="prefill workers: host:port[,host:port...]")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULTS.local_prefill_threshold,
                    help="prompts with fewer tokens are prefilled on the decode worker; with kv-aware "
-                        "routing, so are prompts with fewer past the decode worker's own cached prefix")
+                        "routing, so are prompts with fewer past the decode worker's own cached prefix, "
+                        "where it holds more of them than any prefill worker")
     p.add_argument("--worker-wait", type=float, default=DEFAULTS.worker_wait_seconds,
                    help="seconds startup waits for the workers to answer Info")
     p.add_argument("--load-interval", type=float, default=DEFAULTS.load_interval_seconds,

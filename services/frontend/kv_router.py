@@ -24,8 +24,9 @@ class KVAwareRouter(LoadRouter):
     cache hit: a step, sampling, sending its KV), lowest wins.  Decode:
     LoadRouter's order, with the decode worker's own prefix hit as the
     tie-breaker (a hit there means fewer blocks to send); where that worker
-    holds all of the prompt but less than local_prefill_threshold tokens, it
-    prefills the rest itself.  If the index fails: load only."""
+    holds all of the prompt but less than local_prefill_threshold tokens, and
+    more of it than any prefill worker, it prefills the rest itself.  If the
+    index fails: load only."""
 
     def __init__(self, index: PrefixIndex, layout: Callable[[], tuple[int, str] | None],
                  local_prefill_threshold: int = 64, queue_weight: float = 1.0,
@@ -65,12 +66,16 @@ class KVAwareRouter(LoadRouter):
         if not remote:
             self.decisions["local_prefill"] += 1
             return Route(decode.address)
-        tail = len(request.prompt_token_ids) - hits.get(decode.worker_id, 0) * block_size
-        if request.prefix_cache and tail < self.local_prefill_threshold:
-            # The decode worker holds all but a short tail of the prompt (a chat's
-            # next turn: it decoded the earlier replies, which no prefill worker
-            # holds): it computes the tail itself, where a prefill worker would
-            # recompute what it lacks and send blocks the decode worker has.
+        held = hits.get(decode.worker_id, 0)
+        best_hit = max(hits.get(w.worker_id, 0) for w in prefills)
+        if (request.prefix_cache and held > best_hit
+                and len(request.prompt_token_ids) - held * block_size < self.local_prefill_threshold):
+            # The decode worker holds all but a short tail of the prompt, and more
+            # of it than any prefill worker (a chat's next turn: it decoded the
+            # earlier replies): it computes the tail itself, where a prefill worker
+            # would recompute what it lacks and send blocks the decode worker has.
+            # (Where a prefill worker holds as much, it computes the same tail and
+            # the decode worker's compute stays with decoding.)
             self.decisions["decode_prefix_hit"] += 1
             return Route(decode.address)
 
@@ -81,7 +86,6 @@ class KVAwareRouter(LoadRouter):
             return len(hashes) - hits.get(w.worker_id, 0) + queue * self.queue_weight, w.address
 
         prefill = min(prefills, key=cost)
-        best_hit = max(hits.get(w.worker_id, 0) for w in prefills)
         hit = hits.get(prefill.worker_id, 0)
         # load_over_affinity: a worker holding more of the prefix was too busy.
         reason = "load_over_affinity" if hit < best_hit else "prefix_hit" if hit else "load"

@@ -30,8 +30,9 @@ from .test_worker_faults import first_report
 
 PREFIX = 96  # tokens: 6 full blocks, over the frontend's local-prefill threshold
 # A request's own tokens after the prefix: past the threshold, so the decode worker,
-# which holds the prefix too, does not prefill the request itself (no prefill
-# worker asked, so no prefill routing to watch).
+# which holds the prefix too, never prefills a request itself (as it would where
+# it held more of the prompt than the prefill worker, with less than the
+# threshold left), whatever the index knows of either.
 SUFFIX = 40
 WORKER_ARGS = ["--num-blocks", "128"]
 

@@ -28,8 +28,9 @@ BLOCK = 16
 PREFIX_TOKENS = 496  # the shared system prompt: 31 full blocks (a 1-thread prefill of it: about 2.5 s)
 PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK
 # Each request's own suffix.  The decode worker holds the shared prefix too (its
-# KV landed there), and a tail under the frontends' --local-prefill-threshold
-# (32) past what it holds would be prefilled there, no prefill worker asked.
+# KV landed there); where it holds more of a prompt than any prefill worker (the
+# holder was killed, say) and less than the frontends' --local-prefill-threshold
+# (32) is left, it would prefill that itself, no prefill worker asked.
 SUFFIX_TOKENS = 48
 HEARTBEAT_TTL_S = 2.0  # the frontend's: max(2 s, 10 load intervals of 0.2 s)
 WORKER_ARGS = ["--num-blocks", "400", "--max-model-len", "2048"]

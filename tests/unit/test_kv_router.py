@@ -137,8 +137,9 @@ def test_a_flood_on_one_hot_prefix_spills_over_once_the_queue_costs_more() -> No
 def test_a_prompt_the_decode_worker_nearly_holds_is_prefilled_there() -> None:
     """A chat's next turn: the decode worker decoded the earlier replies, which
     no prefill worker holds.  Past its own cached prefix less than the threshold
-    is left, so it computes that itself: no prefill worker recomputing what it
-    holds, no blocks sent.  A longer tail still goes to a prefill worker."""
+    is left, and it holds more than any prefill worker, so it computes that
+    itself: no prefill worker recomputing what it holds, no blocks sent.  A
+    longer tail still goes to a prefill worker."""
     for held, want, reason in ((9, "", "decode_prefix_hit"), (10, "", "decode_prefix_hit"),
                                (8, "p0:1", "load")):  # 4, 0 and 8 tokens left; threshold 8
         router = KVAwareRouter(index_with("d0", held), lambda: (BS, MODEL), local_prefill_threshold=8)
@@ -149,6 +150,13 @@ def test_a_prompt_the_decode_worker_nearly_holds_is_prefilled_there() -> None:
     router = KVAwareRouter(index_with("d0", 10), lambda: (BS, MODEL), local_prefill_threshold=8)
     r = router.route(RouteRequest("r", PROMPT, prefix_cache=False), D, [p("p0")])
     assert r is not None and r.prefill == "p0:1"
+    # A prefill worker holding as much computes the same tail: the decode worker keeps to decoding.
+    idx = index_with("d0", 9)
+    idx.apply("p1", [CacheEvent("stored", hash_blocks(PROMPT, BS, extra_keys(MODEL, None))[:9])])
+    idx.heartbeat("p1", 60)
+    router = KVAwareRouter(idx, lambda: (BS, MODEL), local_prefill_threshold=8)
+    r = router.route(RouteRequest("r", PROMPT), D, [p("p0"), p("p1")])
+    assert r is not None and r.prefill == "p1:1" and router.decisions == {"prefix_hit": 1}
     # The hit that counts is the chosen decode worker's: another's does not keep it local.
     router = KVAwareRouter(index_with("d1", 10), lambda: (BS, MODEL), local_prefill_threshold=8)
     busy = WorkerLoad("d1:1", "d1", running=5, free_blocks=100, total_blocks=100)

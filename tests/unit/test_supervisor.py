@@ -65,10 +65,15 @@ def test_a_child_that_keeps_dying_is_a_crash_loop(tmp_path: Path) -> None:
 
 def test_stop_terminates_every_child_and_restarts_nothing(tmp_path: Path) -> None:
     order = tmp_path / "order"
-    # Each child appends its name to `order` when SIGTERM arrives, then exits 0.
-    child = ("import signal, sys, time\n"
-             "def bye(*_):\n    open(sys.argv[1], 'a').write(sys.argv[2] + '\\n'); sys.exit(0)\n"
-             "signal.signal(signal.SIGTERM, bye)\nopen(sys.argv[1] + sys.argv[2], 'w')\ntime.sleep(600)\n")
+    # Each child appends its name to `order` when SIGTERM arrives, then exits 0
+    # from the handler itself (os._exit: wherever the signal lands, nothing after
+    # the handler can change the status).
+    child = ("import os, signal, sys, time\n"
+             "def bye(*_):\n"
+             "    with open(sys.argv[1], 'a') as f:\n        f.write(sys.argv[2] + '\\n')\n"
+             "    os._exit(0)\n"
+             "signal.signal(signal.SIGTERM, bye)\n"
+             "open(sys.argv[1] + sys.argv[2], 'w').close()\ntime.sleep(600)\n")
     sup = Supervisor(RestartPolicy(backoff_initial_s=0.05), log=lambda _: None)
     for name in ("prefill-0", "decode-0", "frontend"):
         sup.spawn(name, [sys.executable, "-c", child, str(order), name])
