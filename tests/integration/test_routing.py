@@ -161,16 +161,36 @@ def wait_indexed(url: str, at_least: int, timeout: float = 10) -> dict[str, floa
         time.sleep(0.1)
 
 
-def run_shared_prefix(url: str, seed: int, n: int) -> None:
+def run_shared_prefix(url: str, seed: int, n: int, redis_port: int | None = None) -> None:
     """n requests: one shared prefix, each its own suffix; the first alone, the
-    rest 4 at a time (few enough that the prefix's holder stays the cheapest)."""
+    rest 4 at a time (few enough that the prefix's holder stays the cheapest).
+    redis_port: the frontend routes through that Redis index; the rest wait until
+    it holds the prefix (the frontend's own view of the blocks comes first)."""
     rng = random.Random(seed)
     prefix = tokens(rng, PREFIX_TOKENS)
     complete(url, prefix + tokens(rng, SUFFIX_TOKENS))
     wait_indexed(url, PREFIX_BLOCKS)
+    if redis_port is not None:
+        index, hashes = redis_lookup(url, redis_port, prefix)
+        try:
+            deadline = time.monotonic() + 10
+            while max(index.longest_prefix(hashes, ["pa", "pb"]).values(), default=0) < PREFIX_BLOCKS:
+                assert time.monotonic() < deadline, "the prefix never reached Redis"
+                time.sleep(0.05)
+        finally:
+            index.close()
     rest = [prefix + tokens(rng, SUFFIX_TOKENS) for _ in range(n - 1)]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda prompt: complete(url, prompt), rest))
+
+
+def redis_lookup(url: str, redis_port: int, prefix: list[int]) -> tuple[RedisPrefixIndex, list[bytes]]:
+    """The Redis index the workers' blocks go to, and the prefix's block hashes there."""
+    cluster = httpx.get(f"{url}/cluster").json()
+    model_id = next(w["model_id"] for w in cluster["workers"] if w["model_id"])
+    # The workers' flags (procs.WORKER_FLAGS): float32 compute and cache.
+    hashes = hash_blocks(prefix, BLOCK, extra_keys(cache_model_key(model_id, "float32", "float32"), None))
+    return RedisPrefixIndex(f"redis://127.0.0.1:{redis_port}", model_id, lookup_timeout_s=0.5), hashes
 
 
 PerWorker = dict[str, float]
@@ -221,7 +241,7 @@ def test_round_robin_spreads_the_prefix_and_hits_less(stack, policy_runs) -> Non
 
 def test_redis_index_routes_and_survives_redis_going_away(stack) -> None:  # type: ignore[no-untyped-def]
     url, redis, redis_port = stack["urls"][2], stack["redis"], stack["redis_port"]
-    run_shared_prefix(url, seed=3, n=3)
+    run_shared_prefix(url, seed=3, n=3, redis_port=redis_port)
     # The Redis index knew where the prefix was.  A lookup gets a few ms and falls back to load
     # routing past them (a busy machine can miss that), so each later request hit or fell back.
     first = decisions(scrape(url))
@@ -286,11 +306,7 @@ def test_a_killed_worker_drops_out_and_restarts_empty(stack) -> None:  # type: i
     prefix = tokens(rng, PREFIX_TOKENS)
     complete(kv_url, prefix + tokens(rng, SUFFIX_TOKENS))
     wait_indexed(kv_url, PREFIX_BLOCKS)
-    cluster = httpx.get(f"{kv_url}/cluster").json()
-    model_id = next(w["model_id"] for w in cluster["workers"] if w["model_id"])
-    # The workers' flags (procs.WORKER_FLAGS): float32 compute and cache.
-    hashes = hash_blocks(prefix, BLOCK, extra_keys(cache_model_key(model_id, "float32", "float32"), None))
-    index = RedisPrefixIndex(f"redis://127.0.0.1:{stack['redis_port']}", model_id, lookup_timeout_s=0.5)
+    index, hashes = redis_lookup(kv_url, stack["redis_port"], prefix)
     try:
         deadline = time.monotonic() + 5  # the Redis frontend relays the same events
         while not index.longest_prefix(hashes, ["pa", "pb"]):
