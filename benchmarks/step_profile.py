@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
+# engine before torch: it picks how OpenMP's idle threads wait, and with that
+# the kernels' thread pool, as a worker does (engine/__init__.py).
 from engine import LLM, SamplingParams
 from engine.layers.cpu_features import cpu_summary
 from services.help_format import DefaultsHelpFormatter as HelpFormatter
@@ -76,6 +76,8 @@ def instrument(llm: LLM, clock: Clock) -> None:
 
 
 def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int, cpu_time: bool) -> None:
+    import torch
+
     now = time.thread_time if cpu_time else time.perf_counter
     llms: dict[str, tuple[LLM, Clock]] = {}
     for dt in dtypes:
