@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import engine  # noqa: F401 - first: it must set OpenMP's wait policy before torch loads
 from protos import pb_grpc
 from services.help_format import DefaultsHelpFormatter
 from services.peers import KnownDecodeListeners

@@ -139,3 +139,15 @@ def test_the_pool_runs_only_where_openmp_threads_sleep(first: str, policy: str |
     out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True, timeout=300).stdout.split()
     assert out == want
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_runs_its_kernels_on_the_pool(role: str) -> None:
+    """Each worker's entry point imports engine before anything loads torch (the
+    prefill worker's KV transport once loaded torch first, leaving its kernels
+    on OpenMP's spinning threads)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = f"import services.{role}.__main__, engine; print(engine.OPENMP_SLEEPS)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True, timeout=300).stdout.split()
+    assert out == ["True"]
