@@ -160,9 +160,14 @@ def test_fused_rope_and_kv_store_match_the_torch_ops(kernel) -> None:  # type: i
 
 
 def test_fused_silu_and_mul(kernel) -> None:  # type: ignore[no-untyped-def]
-    gate_up = torch.randn(7, 2 * 40)
+    gate_up = torch.randn(7, 2 * 43) * 6  # 43: whole vectors and a tail
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, -20.0, 0.0, 30.0, 200.0])  # exp's ends
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(kernel.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    out = kernel.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    # Each element's bits do not depend on where it sits (a vector's lane, the tail).
+    shifted = kernel.silu_and_mul(torch.cat([gate[:, 3:], up[:, 3:]], dim=-1))
+    assert torch.equal(shifted, out[:, 3:])
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (576, 1536)])
