@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from . import forkserver
 from .test_prefix_index_redis import RedisServer
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start the service processes' fork server now: it loads torch while the
+    first tests run (tests/integration/forkserver.py)."""
+    forkserver.client()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import grpc
 
 from protos import pb, pb_grpc
 from services.ports import free_port
+from tests.integration import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,11 +34,10 @@ class Proc:
         self.ready = tmp / f"{name}.addr"
         self.log = tmp / f"{name}.log"
         self.ready.unlink(missing_ok=True)  # a restart must not see its predecessor's
-        argv = [*prefix, sys.executable, "-m", *argv, "--ready-file", str(self.ready)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            self.popen = forkserver.popen(argv[0], [*argv[1:], "--ready-file", str(self.ready)], env=env,
+                                          stdout=log.fileno(), prefix=prefix)
         self.address = ""
 
     def wait_ready(self, timeout: float = 180) -> str:
@@ -74,7 +74,7 @@ def stop_all(procs: Iterable[Proc]) -> None:
         p.stop()
 
 
-def terminate(popen: subprocess.Popen[bytes], timeout: float) -> None:
+def terminate(popen: subprocess.Popen[bytes] | forkserver.Forked, timeout: float) -> None:
     """SIGTERM, then SIGKILL after `timeout` seconds."""
     if popen.poll() is None:
         popen.send_signal(signal.SIGTERM)
@@ -159,11 +159,10 @@ class FrontendProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "services.frontend", "--port", str(self.port), "--grpc-port",
-                 str(self.grpc_port), "--log-level", "info", *args],
-                cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+            self.popen = forkserver.popen(
+                "services.frontend", ["--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                                      "--log-level", "info", *args],
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=log.fileno())
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

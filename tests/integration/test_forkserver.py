@@ -1,0 +1,64 @@
+"""The tests' fork server (tests/integration/forkserver.py) starts a module as
+`python -m` would: its arguments, environment, output and exit status, and
+the engine's OpenMP setting a worker gets; it hands back what it cannot match."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.integration import forkserver
+
+ME = "tests.integration.test_forkserver"
+
+
+def spawn(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[bytes] | forkserver.Forked, Path]:
+    log = tmp_path / "probe.log"
+    with open(log, "wb") as out:
+        proc = forkserver.popen(ME, list(args), env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                stdout=out.fileno())
+    return proc, log
+
+
+def test_a_forked_module_runs_as_python_m_would(tmp_path: Path) -> None:
+    proc, log = spawn(tmp_path, "exit", "7", PROBE_VALUE="seen")
+    assert isinstance(proc, forkserver.Forked)
+    assert proc.wait(timeout=60) == 7
+    lines = log.read_text().splitlines()
+    assert lines == [f"argv {Path(__file__).resolve()} exit 7", "env seen", f"cwd {forkserver.ROOT}",
+                     f"session {proc.pid}", "openmp sleeps True"]
+
+
+def test_a_killed_child_reports_its_signal(tmp_path: Path) -> None:
+    proc, log = spawn(tmp_path, "wait")
+    deadline = time.monotonic() + 60
+    while "waiting" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_an_environment_it_cannot_match_starts_fresh(tmp_path: Path) -> None:
+    proc, log = spawn(tmp_path, "exit", "0", OMP_WAIT_POLICY="ACTIVE")
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(timeout=120) == 0
+    assert "openmp sleeps False" in log.read_text()  # as a fresh interpreter told ACTIVE decides
+
+
+if __name__ == "__main__":  # the probe the tests start
+    import engine
+
+    print("argv", *sys.argv)
+    print("env", os.environ.get("PROBE_VALUE"))
+    print("cwd", os.getcwd())
+    print("session", os.getsid(0))
+    print("openmp sleeps", engine.OPENMP_SLEEPS)
+    if sys.argv[1] == "wait":
+        print("waiting", flush=True)
+        signal.pause()
+    sys.exit(int(sys.argv[2]))
