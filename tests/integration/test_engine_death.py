@@ -28,13 +28,32 @@ TOKEN = "engine-death-token-0123456789"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def health_status(addr: str) -> int:
-    """The worker's overall health, or -1 once it no longer answers."""
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-    except grpc.RpcError:
-        return -1
+class HealthWatch(threading.Thread):
+    """The worker's overall health as its Watch stream reports each change."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__(daemon=True)
+        self.addr = addr
+        self.statuses: list[int] = []
+        self.serving, self.not_serving = threading.Event(), threading.Event()
+        self.not_serving_at = 0.0
+        self.error: grpc.RpcError | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with grpc.insecure_channel(self.addr) as ch:
+                for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=120):
+                    self.statuses.append(r.status)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        self.serving.set()
+                    elif r.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        self.not_serving_at = time.monotonic()
+                        self.not_serving.set()
+                        return
+        except grpc.RpcError as e:  # the stream ended before NOT_SERVING: the test says so
+            self.statuses.append(-1)
+            self.error = e
 
 
 def running(addr: str) -> int:
@@ -77,13 +96,14 @@ def test_engine_thread_death_is_never_silent(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, d0.tail()
             time.sleep(0.05)
 
+        # Health watched as it changes: the worker stops listening soon after it says
+        # NOT_SERVING, so a probe per connection can miss the moment it said so.
+        watch = HealthWatch(d0.address)
+        assert watch.serving.wait(30), (watch.statuses, d0.tail())
         crash.touch()
         start = time.monotonic()
-        status = health_status(d0.address)
-        while status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - start < 5:
-            status = health_status(d0.address)
-        elapsed = time.monotonic() - start
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING, (status, d0.tail())
+        assert watch.not_serving.wait(5), (watch.statuses, d0.tail())
+        elapsed = watch.not_serving_at - start
         assert elapsed < 1.0, f"NOT_SERVING after {elapsed:.2f} s"
 
         t.join(timeout=30)
