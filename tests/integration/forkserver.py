@@ -8,8 +8,10 @@ session, its own stdout/stderr, environment and working directory,
 `runpy.run_module(..., "__main__")`, and the interpreter's normal exit (its
 threads joined, its atexit handlers run).  What a fresh interpreter fixes at
 start-up or when the preloaded libraries are imported (OpenMP's wait policy,
-PYTHON*, LD_*, UCX_*, HF_* ...) must match this process's; a spawn whose
-environment differs there returns None and the caller starts it the usual way.
+PYTHON*, LD_*, UCX_*, HF_* ...) must come out as this process's did: the same
+values, or none where the preload only filled in a default (OpenMP's wait
+policy, the UCX settings), as a fresh worker would.  A spawn whose environment
+differs there returns None and the caller starts it the usual way.
 
 Parent side: `spawn()` returns a `Forked`, which answers the part of
 subprocess.Popen the tests use (pid, returncode, poll, wait, send_signal,
@@ -46,6 +48,15 @@ MAX_MESSAGE = 1 << 20
 
 def fixed(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(FIXED_PREFIXES)}
+
+
+def matches(env: Mapping[str, str], before: Mapping[str, str], after: Mapping[str, str]) -> bool:
+    """Whether a fresh process started with `env` would end up with the fixed
+    settings a server started with `before` has after its preload (`after`): the
+    preload only fills in defaults, so a key it added may be absent or the same."""
+    filled = {k: v for k, v in after.items() if k not in before}
+    mine = fixed(env)
+    return all(mine.get(k, filled.get(k)) == after.get(k) for k in {*mine, *after})
 
 
 def send(sock: socket.socket, message: dict[str, object], fds: Sequence[int] = ()) -> None:
@@ -115,6 +126,7 @@ class Client:
         self.children: dict[int, Forked] = {}
         self.early: dict[int, int] = {}  # exits reported before spawn() saw the pid
         self.alive = True
+        self.after: dict[str, str] | None = None  # the server's fixed settings once it has preloaded
         threading.Thread(target=self._read, name="forkserver-reader", daemon=True).start()
         atexit.register(self.close)
 
@@ -126,7 +138,11 @@ class Client:
                 message = None
             if message is None:
                 break
-            if "exit" in message:
+            if "preloaded" in message:
+                with self.reply:
+                    self.after = dict(message["preloaded"])  # type: ignore[call-overload]
+                    self.reply.notify_all()
+            elif "exit" in message:
                 pid, code = int(message["exit"]), int(message["code"])  # type: ignore[call-overload]
                 with self.reply:
                     child = self.children.pop(pid, None)
@@ -149,11 +165,10 @@ class Client:
     def spawn(self, module: str, args: Sequence[str], *, env: Mapping[str, str], cwd: Path, stdout: int,
               stderr: int) -> Forked | None:
         """`python -m module args` in a new session, or None where it must start the usual way."""
-        if fixed(env) != fixed(self.env):
-            return None
         with self.lock:
             with self.reply:
-                if not self.alive:
+                self.reply.wait_for(lambda: self.after is not None or not self.alive, timeout=120)
+                if not self.alive or self.after is None or not matches(env, fixed(self.env), self.after):
                     return None
             try:
                 send(self.sock, {"module": module, "args": list(args), "env": dict(env), "cwd": str(cwd)},
@@ -232,6 +247,7 @@ def serve(sock: socket.socket) -> tuple[dict[str, object], list[int]] | None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    send(sock, {"preloaded": fixed(os.environ)})
     while True:
         readable, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in readable:

@@ -43,6 +43,14 @@ def test_a_killed_child_reports_its_signal(tmp_path: Path) -> None:
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_a_default_the_preload_filled_in_may_be_given_or_not(tmp_path: Path) -> None:
+    """The test process itself gains the UCX defaults once a test makes a KV
+    transport in it: its later spawns still match."""
+    proc, _ = spawn(tmp_path, "exit", "0", UCX_TLS="all", OMP_WAIT_POLICY="PASSIVE")
+    assert isinstance(proc, forkserver.Forked)
+    assert proc.wait(timeout=60) == 0
+
+
 def test_an_environment_it_cannot_match_starts_fresh(tmp_path: Path) -> None:
     proc, log = spawn(tmp_path, "exit", "0", OMP_WAIT_POLICY="ACTIVE")
     assert isinstance(proc, subprocess.Popen)
