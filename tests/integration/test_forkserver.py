@@ -19,7 +19,9 @@ ME = "tests.integration.test_forkserver"
 def spawn(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[bytes] | forkserver.Forked, Path]:
     log = tmp_path / "probe.log"
     with open(log, "wb") as out:
-        proc = forkserver.popen(ME, list(args), env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        # The server's own start environment: this process's may since have gained
+        # settings a server cannot take (the other tests', e.g. a library's own).
+        proc = forkserver.popen(ME, list(args), env={**forkserver.client().env, **env},
                                 stdout=out.fileno())
     return proc, log
 
