@@ -6,9 +6,8 @@ with a TTL, deleted on stop, expired when a worker dies without deregistering.""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,8 @@ import redis.asyncio as aioredis
 from services.discovery import Registration, read_registrations
 from services.frontend.worker_pool import WorkerPool
 
-from .procs import ROOT, free_port, start_worker
+from . import forkserver
+from .procs import free_port, start_worker
 from .test_prefix_index_redis import RedisServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,10 +84,11 @@ def test_pool_follows_registrations_and_retires_workers_once_idle() -> None:
 def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     with open(tmp_path / "frontend.log", "wb") as log:
-        frontend = subprocess.Popen(
-            [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port", str(free_port()),
+        frontend = forkserver.popen(
+            "services.frontend",
+            ["--port", str(port), "--grpc-port", str(free_port()),
              "--redis-url", redis_server.url, "--discovery-interval", "0.2", "--log-level", "info"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log.fileno())
     decode = start_worker("decode", "d0", tmp_path, "--num-blocks", "64", "--redis-url", redis_server.url)
     url = f"http://127.0.0.1:{port}"
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration import forkserver
 
 ME = "tests.integration.test_forkserver"
@@ -53,8 +55,18 @@ def test_a_default_the_preload_filled_in_may_be_given_or_not(tmp_path: Path) -> 
     assert proc.wait(timeout=60) == 0
 
 
+def test_a_setting_read_after_the_preload_is_the_childs_own(tmp_path: Path) -> None:
+    """torch's inductor sets its cache directory in the test process when it
+    first compiles; a child forked with another one still uses its own."""
+    proc, log = spawn(tmp_path, "inductor", "0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    assert isinstance(proc, forkserver.Forked)
+    assert proc.wait(timeout=60) == 0, log.read_text()
+    assert f"inductor cache {tmp_path / 'inductor'}" in log.read_text().splitlines()
+
+
 def test_an_environment_it_cannot_match_starts_fresh(tmp_path: Path) -> None:
-    proc, log = spawn(tmp_path, "exit", "0", OMP_WAIT_POLICY="ACTIVE")
+    with pytest.warns(UserWarning, match="starts fresh: OMP_WAIT_POLICY differ"):
+        proc, log = spawn(tmp_path, "exit", "0", OMP_WAIT_POLICY="ACTIVE")
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(timeout=120) == 0
     assert "openmp sleeps False" in log.read_text()  # as a fresh interpreter told ACTIVE decides
@@ -68,6 +80,10 @@ if __name__ == "__main__":  # the probe the tests start
     print("cwd", os.getcwd())
     print("session", os.getsid(0))
     print("openmp sleeps", engine.OPENMP_SLEEPS)
+    if sys.argv[1] == "inductor":
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        print("inductor cache", cache_dir())
     if sys.argv[1] == "wait":
         print("waiting", flush=True)
         signal.pause()

@@ -8,9 +8,9 @@ gRPC gets a 4xx naming the field, and the server keeps serving)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +24,8 @@ import pytest
 from protos import pb, pb_grpc
 from services.frontend.tokenizer import Tokenizer
 
-from .procs import ROOT, free_port, start_pair
+from . import forkserver
+from .procs import free_port, start_pair
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 64  # prompts at least this long are prefilled on the prefill worker (SHORT: 37 tokens)
@@ -41,12 +42,13 @@ class Frontend:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "services.frontend", "--port", str(self.port),
+            self.popen = forkserver.popen(
+                "services.frontend",
+                ["--port", str(self.port),
                  "--grpc-port", str(self.grpc_port), "--decode", decode, "--prefill", prefill,
                  "--local-prefill-threshold", str(THRESHOLD), "--worker-wait", "60",
                  "--log-level", "warning", *extra],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log.fileno())
 
     def wait_healthy(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout

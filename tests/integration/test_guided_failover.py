@@ -7,9 +7,8 @@ undisturbed one did: the same tokens, valid JSON."""
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import httpx
@@ -18,7 +17,8 @@ import pytest
 
 from protos import pb
 
-from .procs import ROOT, Stream, free_port, start_all
+from . import forkserver
+from .procs import Stream, free_port, start_all
 from .test_failover import health, start_named, wait_until, worker_health
 
 ROWS = {"type": "object", "properties": {"rows": {
@@ -40,11 +40,12 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             w.wait_ready()
         port, grpc_port = free_port(), free_port()
         with open(tmp / "frontend.log", "wb") as log:
-            frontend = subprocess.Popen(
-                [sys.executable, "-m", "services.frontend", "--port", str(port),
+            frontend = forkserver.popen(
+                "services.frontend",
+                ["--port", str(port),
                  "--grpc-port", str(grpc_port), "--log-level", "warning",
                  "--decode", f"{workers['d0'].address},{workers['d1'].address}"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log.fileno())
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: health(url).get("healthy_decode_workers") == 2, 120,
                    "the frontend never saw d0, d1")

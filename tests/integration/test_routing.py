@@ -6,11 +6,11 @@ read what happened from the frontends' /metrics."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.vocab.hashing import cache_model_key, extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
-from .procs import ROOT, Proc, Stream, address, free_port, peer_flag, start_worker
+from . import forkserver
+from .procs import Proc, Stream, address, free_port, peer_flag, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
@@ -76,12 +77,13 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
             grpc_ports.append(grpc_port)
             routing = "round-robin" if name == "round-robin" else "kv-aware"
             with open(tmp / f"frontend-{name}.log", "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "services.frontend", "--port", str(port), "--grpc-port",
+                proc = forkserver.popen(
+                    "services.frontend",
+                    ["--port", str(port), "--grpc-port",
                      str(grpc_port), "--decode", workers["d0"].address, "--prefill", prefill_addrs,
                      "--local-prefill-threshold", "32", "--routing", routing, "--log-level", "warning",
                      *extra],
-                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log.fileno())
             frontends.append((proc, f"http://127.0.0.1:{port}"))
         for proc, url in frontends:
             deadline = time.monotonic() + 120
