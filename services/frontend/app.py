@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import signal
@@ -121,6 +122,10 @@ async def _serve(fe: Frontend, config: FrontendConfig, stop: asyncio.Event) -> N
         log.warning("no API key (--api-key or SPLITSERVE_API_KEY): anyone who can reach %s on ports %d "
                     "and %d can use this cluster, and read /metrics and /cluster", config.host,
                     config.port, config.grpc_port)
+    # The start-up's objects (tokenizer, grpc, the web stack) live as long as the
+    # process: out of the collector's sight, a full collection while serving walks
+    # only what requests made (as the workers do, services/worker_serve.py).
+    gc.freeze()
     try:
         await asyncio.wait({rest, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:
