@@ -45,7 +45,7 @@ from kvtransfer.listen_host import ListenHost
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender, SendFault
 from kvtransfer.stats import DirectionStats, TransferRecord, TransportStats
-from kvtransfer.ucx_env import apply_ucx_env_defaults
+from kvtransfer.ucx_env import apply_ucx_env_defaults, import_what_the_progress_thread_would
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class KVTransport:
         """Start listening.  Call on the event loop that will run every other method: ucxx
         binds its progress and notifier threads to the loop that first uses it."""
         apply_ucx_env_defaults()
+        import_what_the_progress_thread_would()
         import ucxx
 
         self._listener = ucxx.create_listener(self._receiver.serve, port=self._port)

@@ -8,6 +8,7 @@ already in the environment win, so an operator can still override any of them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 
@@ -33,6 +34,23 @@ def apply_ucx_env_defaults() -> None:
     # on first use, not at import, so this still works after `import ucxx`.
     for key, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def import_what_the_progress_thread_would() -> None:
+    """Call in the thread that starts UCX, before it does.
+
+    ucxx's progress thread, as it starts, imports cuda.core (for a CUDA
+    context), which imports rlcompleter and with it readline, whose set-up
+    puts LINES and COLUMNS into the environment.  glibc's environment is not
+    safe across threads: that setenv, from the new thread while the main
+    thread read the environment (getenv), crashed a worker at start with
+    SIGSEGV.  Imported here first, the thread finds it loaded and sets nothing."""
+    for name in ("cuda.core", "cuda.core.experimental"):  # what ucxx tries, in its order
+        try:
+            importlib.import_module(name)
+            return
+        except Exception:  # noqa: BLE001 - a pre-import only: ucxx's own import reports the error
+            continue
 
 
 def shutdown_ucx() -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,6 +21,8 @@ import pytest
 
 from kvtransfer.sender import SendFault
 from tests.kv_peers import CacheSpec, PeerError, PeerProcess
+
+from .procs import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -376,3 +379,43 @@ def test_a_connection_off_the_listen_host_is_closed_unread(peers: Peers) -> None
     assert rx.call("wait", t, 10.0) == nbytes
     assert_only(rx.call("digests", "local"), before, moved(src_digests, src, dst))
     assert rx.call("stats", "local")["received"]["off_host_connections"] == 1
+
+
+# Starts a transport the way a worker does, recording which thread imports readline (if
+# anything does) and every environment variable set after UCX's threads exist.
+ENV_PROBE = r"""
+import asyncio, os, sys, threading
+from kvtransfer.transport import KVTransport
+from tests.kv_peers import CacheSpec, make_cache
+imports = []
+sys.addaudithook(lambda event, args: event == "import" and args[0] == "readline" and imports.append(
+    threading.current_thread() is threading.main_thread()))
+
+async def main():
+    spec = CacheSpec(num_blocks=8)
+    t = KVTransport(make_cache(spec), spec.layout())
+    await t.start()
+    before = dict(os.environ)
+    await asyncio.sleep(1.0)  # the progress thread's start-up runs meanwhile
+    print("readline imported on the main thread:", imports)
+    print("set since:", sorted(k for k in os.environ if k not in before))
+    await t.close()
+
+asyncio.run(main())
+from kvtransfer.ucx_env import shutdown_ucx
+shutdown_ucx()
+"""
+
+
+def test_ucx_threads_leave_the_environment_alone() -> None:
+    """ucxx's progress thread imports cuda.core, and with it readline, whose set-up
+    writes LINES and COLUMNS into the environment: from that thread, beside a
+    getenv on the main thread, a worker died of SIGSEGV in getenv at start.
+    The transport imports it first, on its own thread: nothing is set later."""
+    out = subprocess.run([sys.executable, "-c", ENV_PROBE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    # one True per import event: on the main thread each time
+    assert "False" not in lines["readline imported on the main thread"], out.stdout
+    assert lines["set since"] == "[]", out.stdout
