@@ -114,6 +114,26 @@ def test_a_forked_child_starts_its_own_pool(kernel) -> None:  # type: ignore[no-
 
 
 
+SHARED = ("import os, engine, torch\n"
+          "from engine import LLM, SamplingParams\n"
+          "torch.set_num_threads(2)\n"
+          "llm = LLM(max_num_seqs=4, dtype='float32')\n"
+          "llm.generate(['One', 'Two, three', 'Four five six', 'Seven'], SamplingParams(max_tokens=4))\n"
+          "d = '/proc/self/task'\n"
+          "print(engine.OPENMP_SLEEPS, sum(open(f'{d}/{t}/comm').read().strip() == 'ss-kernel'"
+          " for t in os.listdir(d)))\n")
+
+
+def test_the_linear_and_attention_kernels_share_one_pool() -> None:
+    """Four sequences decoding on two threads: the projections and the
+    attention (a span per sequence and more) each run on a pool, and it is
+    the same pool, so there is one worker beside the calling thread."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", SHARED], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True, timeout=300).stdout.split()
+    assert out == ["True", "1"]
+
+
 PROBE = ("import sys, os{first}\n"
          "import engine\n"
          "from engine.layers.cpu_attention import load_linear_kernel\n"

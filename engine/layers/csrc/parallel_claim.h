@@ -25,8 +25,15 @@
 // that are running a piece.  A worker that wakes late finds the job closed and
 // goes back to sleep without touching it.
 //
-// One pool per extension (each .so holds its own copy), one job at a time: a
-// second caller while a job runs (another Python thread) runs its job inline.
+// One pool per process, one job at a time: a second caller while a job runs
+// (another Python thread) runs its job inline.  Each extension (.so) holds its
+// own copy of this code, but the function-local statics below (the pool, the
+// on switch, the spin time) are STB_GNU_UNIQUE symbols under GCC, which the
+// dynamic linker makes one per process: the linear and the attention kernels
+// share the workers (tests/unit/test_kernel_pool.py).  Two pools would each
+// keep a worker spinning after its job on the core the other pool's job
+// wants, and find it asleep by the next job (a layer's attention comes
+// milliseconds after its projections).
 // After fork() the child starts a new pool (the parent's threads are not in it).
 // The loader enables it (engine/layers/cpu_attention.py) where OpenMP's idle
 // threads sleep and SPLITSERVE_KERNEL_THREADS is not "omp" (an A/B); otherwise
