@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import logging
 import os
@@ -47,6 +48,8 @@ async def start_transport(engine: LLMEngine, args: argparse.Namespace) -> KVTran
 def run_worker(args: argparse.Namespace, role: str, make_servicer: MakeServicer,
                add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    # `kill -USR1 PID`: every thread's Python stack to stderr (a stop that hangs, a stuck request).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.cpus:
         args = pin_worker(args, role)
     try:
