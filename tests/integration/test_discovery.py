@@ -84,7 +84,8 @@ def test_pool_follows_registrations_and_retires_workers_once_idle() -> None:
 
 def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    with open(tmp_path / "frontend.log", "wb") as log:
+    log_path = tmp_path / "frontend.log"
+    with open(log_path, "wb") as log:
         frontend = forkserver.popen(
             "services.frontend",
             ["--port", str(port), "--grpc-port", str(free_port()),
@@ -94,7 +95,7 @@ def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp
     url = f"http://127.0.0.1:{port}"
 
     def health() -> int:
-        assert frontend.poll() is None, (tmp_path / "frontend.log").read_text()[-3000:]
+        assert frontend.poll() is None, log_path.read_text()[-3000:]
         try:
             return httpx.get(f"{url}/health", timeout=1).status_code
         except httpx.TransportError:
@@ -115,8 +116,7 @@ def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp
         assert health() == 503
         # SIGUSR1: every thread's stack into the log, and the frontend serves on.
         frontend.send_signal(signal.SIGUSR1)
-        log = tmp_path / "frontend.log"
-        wait_until(lambda: "(most recent call first)" in log.read_text(errors="replace"), 10,
+        wait_until(lambda: "(most recent call first)" in log_path.read_text(errors="replace"), 10,
                    "SIGUSR1 wrote no stacks")
         assert health() == 503
     finally:
@@ -129,5 +129,5 @@ def test_frontend_discovers_workers_through_redis(redis_server: RedisServer, tmp
                 frontend.send_signal(signal.SIGUSR1)
                 time.sleep(2)  # the dump's own time; the process is killed next either way
                 frontend.kill()
-                stacks = (tmp_path / "frontend.log").read_text(errors="replace")[-12000:]
+                stacks = log_path.read_text(errors="replace")[-12000:]
                 raise AssertionError(f"the frontend did not exit 30 s after SIGTERM:\n{stacks}") from None
