@@ -140,7 +140,8 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // Tasks are (row chunk, group of G panels), chunk-major: a thread walks
   // panels while its rows stay in cache; each panel is read once per chunk.
   // Few rows take panels G at a time (the kernel interleaves them).
-  const int64_t G = M <= 4 ? 4 : 1, groups = (P + G - 1) / G;
+  // Many rows of a 4-bit layer take panels 2 at a time (decoded, then read in pairs).
+  const int64_t G = M <= 4 ? 4 : (w.block_sums ? 2 : 1), groups = (P + G - 1) / G;
   // About 16 claims per thread: small enough to even out a preempted thread,
   // large enough that claiming costs nothing.
   const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));

@@ -24,6 +24,9 @@ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 constexpr int MR = 12;  // rows per micro-kernel call: 12 of the 32 vector registers
 constexpr int MR_WIDE = 4, NP_WIDE = 4;  // up to 4 rows: 4 panels at once (16 accumulators)
 constexpr int NP_WIDE_Q4 = 2;  // q4 keeps a block sum beside each accumulator
+// Many rows against decoded 4-bit panels: 2 panels x 6 rows (24 of the
+// registers), so each broadcast of x feeds two FMAs (one panel: one load per FMA).
+constexpr int MR_Q4F = 6, NP_Q4F = 2;
 struct W16 { __m512 v; };
 inline W16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline W16 mul(W16 a, W16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -58,6 +61,7 @@ struct Acc {
 constexpr int MR = 6;  // 12 accumulators of the 16 registers
 constexpr int MR_WIDE = 2, NP_WIDE = 2;  // up to 2 rows: 2 panels at once (8 accumulators)
 constexpr int NP_WIDE_Q4 = 1;
+constexpr int MR_Q4F = MR, NP_Q4F = 1;
 struct W16 { __m256 lo, hi; };
 inline W16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline W16 mul(W16 a, W16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
@@ -100,6 +104,7 @@ struct Acc {
 #else  // portable: the same arithmetic one lane at a time (fmaf: one rounding, as the vector FMA)
 constexpr int MR = 4;
 constexpr int MR_WIDE = 1, NP_WIDE = 1, NP_WIDE_Q4 = 1;
+constexpr int MR_Q4F = MR, NP_Q4F = 1;
 struct W16 { float v[NR]; };
 inline W16 load16(const float* p) { W16 w; std::memcpy(w.v, p, sizeof(w.v)); return w; }
 inline W16 mul(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] * b.v[j]; return a; }
@@ -228,20 +233,21 @@ inline void q4_decode_panel(const uint8_t* p, int64_t K, float* out) {
 }
 
 struct Q4F {
-  static constexpr int NP_MAX = 1;
+  static constexpr int NP_MAX = NP_Q4F;
+  // p: NP decoded panels, pbytes apart.
   template <int R, int NP>
-  static void run(const uint8_t* p, int64_t, int64_t K, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
-                  float* tile, const uint8_t*) {
-    static_assert(NP == 1, "Q4F: one panel at a time");
-    const float* dec = reinterpret_cast<const float*>(p);
-    Acc<R> acc;
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
+                  int64_t ldxs, float* tile, const uint8_t*) {
+    Acc<R> acc[NP];
     for (int64_t kb = 0; kb < K / QB; ++kb) {
-      const float* blk = dec + kb * Q4F_BLOCK_FLOATS;
-      Acc<R> s;
-      for (int64_t kk = 0; kk < QB; ++kk) s.fma(x, ldx, kb * QB + kk, load16(blk + (2 + kk) * NR));
-      acc.fold(s, load16(blk), load16(blk + NR), xs + kb, ldxs);
+      const float* blk[NP];
+      for (int n = 0; n < NP; ++n) blk[n] = reinterpret_cast<const float*>(p + n * pbytes) + kb * Q4F_BLOCK_FLOATS;
+      Acc<R> s[NP];
+      for (int64_t kk = 0; kk < QB; ++kk)
+        for (int n = 0; n < NP; ++n) s[n].fma(x, ldx, kb * QB + kk, load16(blk[n] + (2 + kk) * NR));
+      for (int n = 0; n < NP; ++n) acc[n].fold(s[n], load16(blk[n]), load16(blk[n] + NR), xs + kb, ldxs);
     }
-    acc.store(tile);
+    for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
   }
 };
 
@@ -306,14 +312,26 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   }
   if constexpr (std::is_same_v<Format, Q4>) {
     if (rows > MR) {  // more than one row tile: decode each panel once
+      const int64_t dec_floats = K / QB * Q4F_BLOCK_FLOATS, dec_bytes = dec_floats * 4;
       thread_local std::vector<float> dec;
-      dec.resize(static_cast<size_t>(K / QB * Q4F_BLOCK_FLOATS));
-      for (; n < np; ++n) {
+      dec.resize(static_cast<size_t>(NP_Q4F * dec_floats));
+      const uint8_t* d = reinterpret_cast<const uint8_t*>(dec.data());
+      for (; n + NP_Q4F <= np; n += NP_Q4F) {  // NP_Q4F panels at a time, in row tiles of MR_Q4F
+        for (int64_t j = 0; j < NP_Q4F; ++j) q4_decode_panel(p + (n + j) * pbytes, K, dec.data() + j * dec_floats);
+        const int64_t ft = (rows + MR_Q4F - 1) / MR_Q4F;
+        for (int64_t t = 0; t < ft; ++t) {
+          const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
+          run_rows<Q4F, MR_Q4F, NP_Q4F>(d, dec_bytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
+          for (int64_t j = 0; j < NP_Q4F; ++j)
+            store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy,
+                       ldy);
+        }
+      }
+      for (; n < np; ++n) {  // a panel left over
         q4_decode_panel(p + n * pbytes, K, dec.data());
-        const uint8_t* d = reinterpret_cast<const uint8_t*>(dec.data());
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t m = rows * t / tiles, r = rows * (t + 1) / tiles - m;
-          run_rows<Q4F, MR, 1>(d, 0, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
+          run_rows<Q4F, MR, 1>(d, dec_bytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile);
           store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
         }
       }
