@@ -60,6 +60,22 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
     raise RuntimeError(f"{url} not up after {timeout:.0f} s")
 
 
+def peer_environ() -> dict[str, str]:
+    """This process's environment as it was before the engine's import set
+    OMP_WAIT_POLICY for its own kernels (engine/__init__.py).  The peers must
+    not inherit it: under a passive wait, llama.cpp's OpenMP threads sleep
+    between the ops of a token (33 against 10 ms a token on a Zen 5), and vLLM's
+    CPU build runs on OpenMP too.  splitserve's own workers set it again."""
+    import engine
+
+    env = dict(os.environ)
+    if engine.OMP_WAIT_POLICY_BEFORE is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = engine.OMP_WAIT_POLICY_BEFORE
+    return env
+
+
 class Server:
     """A server process on free loopback ports, stopped (with its children) on exit."""
 
@@ -70,7 +86,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.url}"
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out,
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**peer_environ(), **(env or {})}, stdout=out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_http(self.url + health, self.proc, timeout)

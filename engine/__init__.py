@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, Any
 # (engine/layers/csrc/parallel_claim.h).  Spinning OpenMP threads take its
 # cores (a one-row decode step 11 -> 16 ms on 2 cores), so where torch came
 # first, or OMP_WAIT_POLICY says otherwise, the kernels stay on OpenMP.
+# The setting lands in os.environ, so every program this process starts
+# inherits it: launchers of other OpenMP programs restore what was there before
+# (OMP_WAIT_POLICY_BEFORE; None: unset).
+OMP_WAIT_POLICY_BEFORE = os.environ.get("OMP_WAIT_POLICY")
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 OPENMP_SLEEPS = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
