@@ -200,13 +200,20 @@ PerWorker = dict[str, float]
 
 def shared_prefix_run(url: str, seed: int, n: int) -> tuple[PerWorker, PerWorker, PerWorker]:
     """Per prefill worker over one run: requests routed, prefix-cache hit tokens, tokens looked up."""
+    names = ("splitserve_worker_requests_routed_total", "splitserve_worker_prefix_cache_hits_total",
+             "splitserve_worker_prefix_cache_queries_total")
     before = scrape(url)
     run_shared_prefix(url, seed, n)
-    after = scrape(url)
-    return tuple(diff(per_worker(after, name), per_worker(before, name))  # type: ignore[return-value]
-                 for name in ("splitserve_worker_requests_routed_total",
-                              "splitserve_worker_prefix_cache_hits_total",
-                              "splitserve_worker_prefix_cache_queries_total"))
+    # The cache counters reach the frontend in the workers' load reports, after
+    # the requests end: wait until every request's lookup has been reported.
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(url)
+        runs = tuple(diff(per_worker(after, name), per_worker(before, name)) for name in names)
+        if sum(runs[2].values()) >= n * (PREFIX_TOKENS + SUFFIX_TOKENS):
+            return runs  # type: ignore[return-value]
+        assert time.monotonic() < deadline, f"the load reports never counted all {n} lookups: {runs}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +223,7 @@ def policy_runs(stack):  # type: ignore[no-untyped-def]
     kv_url, rr_url, _ = stack["urls"]
     n = 12
     kv = shared_prefix_run(kv_url, seed=1, n=n)
-    time.sleep(0.5)  # the load reports catch up with the last request's counters
     rr = shared_prefix_run(rr_url, seed=2, n=n)
-    time.sleep(0.5)
     return n, kv, rr
 
 
