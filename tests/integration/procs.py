@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -21,6 +22,7 @@ from tests.integration import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
+T = TypeVar("T")
 WORKER_FLAGS = ["--dtype", "float32", "--num-threads", "1", "--block-size", "16", "--max-model-len", "1024"]
 
 
@@ -134,6 +136,18 @@ def start_pair(tmp: Path, prefill_flags: Sequence[str] = (),
     procs = start_peers(tmp, {"p0": prefill_flags, "d0": decode_flags})
     return procs["p0"], procs["d0"]
 
+
+
+def wait_until(cond: Callable[[], T], timeout: float, what: str | Callable[[], str] = "condition not reached",
+               still: Callable[[], bool] = lambda: True) -> T:
+    """Poll `cond` every 50 ms until it returns something true, and return that.
+    Fails with `what` once `timeout` seconds pass, or at once when `still()` is
+    false (the process the caller waits on has died)."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        assert still() and time.monotonic() < deadline, what() if callable(what) else what
+        time.sleep(0.05)
+    return value
 
 def wait_for_file(path: Path, timeout: float, proc: Proc | None = None) -> str:
     """The contents of `path` once it exists (a fault hook's signal)."""

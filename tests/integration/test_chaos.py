@@ -28,9 +28,9 @@ import httpx
 
 from protos import pb
 
-from .procs import Stream
+from .procs import Stream, wait_until
 from .test_prefix_index_redis import RedisServer
-from .test_up_supervise import Up, counter, quietly, wait_until
+from .test_up_supervise import Up, counter, quietly
 
 SHORT = [f"Question {i}: what is a good name for a cat?" for i in range(3)]
 LONG = [f"Story {i}: the lighthouse keeper wrote every night about the wind, the tides, the ships "

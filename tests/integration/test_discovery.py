@@ -10,8 +10,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -20,21 +18,10 @@ from services.discovery import Registration, read_registrations
 from services.frontend.worker_pool import WorkerPool
 
 from . import forkserver
-from .procs import free_port, start_worker
+from .procs import free_port, start_worker, wait_until
 from .test_prefix_index_redis import RedisServer
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
 
 def test_registration_keys(redis_server: RedisServer) -> None:
     async def run() -> None:

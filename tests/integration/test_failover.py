@@ -22,7 +22,18 @@ import pytest
 
 from protos import pb
 
-from .procs import ROOT, FrontendProc, Proc, Stream, address, free_port, peer_flag, start_all, start_worker
+from .procs import (
+    ROOT,
+    FrontendProc,
+    Proc,
+    Stream,
+    address,
+    free_port,
+    peer_flag,
+    start_all,
+    start_worker,
+    wait_until,
+)
 
 MAX_TOKENS = 40
 PROMPTS = [f"Story {i}: a lighthouse keeper finds a message in a bottle. Tell what it says and what "
@@ -99,14 +110,6 @@ def health(url: str) -> dict[str, Any]:
 
 def worker_health(url: str) -> dict[str, str]:
     return {w["id"]: w["health"] for w in httpx.get(f"{url}/cluster", timeout=5).json()["workers"]}
-
-
-def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
 
 def run_streams(grpc_address: str) -> list[Stream]:
     return start_all(Stream(grpc_address, p, MAX_TOKENS) for p in PROMPTS)

@@ -18,8 +18,8 @@ import pytest
 from protos import pb
 
 from . import forkserver
-from .procs import Stream, free_port, start_all
-from .test_failover import health, start_named, wait_until, worker_health
+from .procs import Stream, free_port, start_all, wait_until
+from .test_failover import health, start_named, worker_health
 
 ROWS = {"type": "object", "properties": {"rows": {
     "type": "array", "minItems": 5, "maxItems": 5, "items": {

@@ -11,7 +11,6 @@ all with one cluster token, each knowing the other role's workers."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from services.convert import sampling_to_proto
 from tests.kv_peers import CacheSpec, PeerError, PeerProcess
 
 from ..faults import fault_env
-from .procs import Listener, Proc, address, free_port, peer_flag, start_worker, stop_all
+from .procs import Listener, Proc, address, free_port, peer_flag, start_worker, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,15 +98,6 @@ def decode_stub(address: str, token: str | None = TOKEN) -> pb_grpc.DecodeStub:
 def load(address: str, stub_cls: Any = pb_grpc.DecodeStub) -> pb.LoadReport:
     return next(iter(stub_cls(sync_channel(address, TOKEN)).WatchLoad(pb.LoadRequest(interval_seconds=0.1),
                                                                          timeout=10)))
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value
-
 
 def wait_pending(d0: str) -> None:
     wait_until(lambda: load(d0).kv_transfers_pending == 1, 30, "the victim's transfer never became pending")

@@ -15,14 +15,14 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from kvtransfer.sender import SendFault
 from tests.kv_peers import CacheSpec, PeerError, PeerProcess
 
-from .procs import ROOT
+from .procs import ROOT, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,15 +81,6 @@ def peers() -> Iterator[Peers]:
 def sample_ids(seed: str, n: int = 64) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
     return rng.sample(range(NUM_BLOCKS), n), rng.sample(range(NUM_BLOCKS), n)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
-
 
 def assert_only(after: list[str], before: list[str], expected: dict[int, str]) -> None:
     """Blocks in `expected` hold those digests; every other block is as before."""
@@ -158,7 +149,8 @@ def test_layout_mismatch_is_clear_on_both_sides_and_receiver_keeps_serving(peers
     assert err.type_name == "LayoutMismatch"
     assert "model_id: local 'other-model' vs remote 'test-model'" in err.message
     assert "num_layers: local 2 vs remote 4" in err.message
-    wait_until(lambda: rx.call("stats", "bf16")["received"]["layout_mismatches"] == 1)
+    wait_until(lambda: rx.call("stats", "bf16")["received"]["layout_mismatches"] == 1, 10,
+               "the mismatched layout was never counted")
     assert tx.call("stats", "odd")["sent"]["layout_mismatches"] == 1
     assert rx.call("digests", "bf16") == before
     # the same announced transfer then arrives from a compatible sender
@@ -202,7 +194,8 @@ def test_hung_sender_times_out_and_nothing_lands_after_cancel(peers: Peers) -> N
     try:
         send = tx.submit("send", "f32_impatient", rx.addresses["f32"], t, src, dst, tok)
         landed = moved(src_digests, src[:8], dst[:8])
-        wait_until(lambda: all(rx.call("digests", "f32")[d] == h for d, h in landed.items()))
+        wait_until(lambda: all(rx.call("digests", "f32")[d] == h for d, h in landed.items()), 10,
+                   "the blocks never landed")
         assert rx.call("cancel", "f32", t) < 1.0  # returns while the sender is still frozen
         snapshot = rx.call("digests", "f32")
         assert raised(rx, "wait", t, 5.0).type_name == "TransferCancelled"
@@ -292,7 +285,8 @@ def test_cancel_while_blocks_arrive(peers: Peers, stall_after: int | None) -> No
         send = tx.submit("send", "f32", rx.addresses["f32"], t, src, dst, tok)
         if stall_after is not None:
             last = stall_after - 1
-            wait_until(lambda: rx.call("digests", "f32")[dst[last]] == src_digests[src[last]])
+            wait_until(lambda: rx.call("digests", "f32")[dst[last]] == src_digests[src[last]], 10,
+                       "the last block before the stall never landed")
         assert rx.call("cancel", "f32", t) < 1.0
         snapshot = rx.call("digests", "f32")
         try:
@@ -338,7 +332,7 @@ def test_sender_killed_mid_transfer(peers: Peers) -> None:
     tok = rx.call("expect", "f32", t, dst)
     victim.call("fault", "f32", SendFault(stall_after_blocks=8, stall_s=60.0))
     victim.submit("send", "f32", rx.addresses["f32"], t, src, dst, tok)
-    wait_until(lambda: rx.call("digests", "f32")[dst[7]] == src_digests[src[7]])
+    wait_until(lambda: rx.call("digests", "f32")[dst[7]] == src_digests[src[7]], 10, "block 7 never landed")
     victim.kill()
     start = time.monotonic()
     err = raised(rx, "wait", t, 10.0)

@@ -19,8 +19,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import httpx
 import pytest
 
 from .netns import Host, Network, unavailable
-from .procs import ROOT, Proc, Stream, start_worker
+from .procs import ROOT, Proc, Stream, start_worker, wait_until
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -102,15 +101,6 @@ class Cluster:
         for p in procs:
             p.wait(timeout=30)
         self.net.close()
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -280,7 +270,8 @@ def test_restarted_host_rejoins_through_discovery(cluster: Cluster, reference: R
                "the restarted prefill worker never rejoined")
     prefills = cluster.cluster()["p0"]["counters"].get("prefills", 0)
     assert_exact(run_all(cluster, [[4, *LONG[1][1:]]]), reference)
-    assert cluster.cluster()["p0"]["counters"]["prefills"] > prefills
+    wait_until(lambda: cluster.cluster()["p0"]["counters"]["prefills"] > prefills, 10,
+               "the restarted prefill worker's report never counted the prefill")
 
 
 def test_a_worker_with_another_kv_layout_never_lands_a_block(cluster: Cluster, reference: Reference) -> None:

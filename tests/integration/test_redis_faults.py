@@ -22,8 +22,8 @@ import pytest
 
 from protos import pb, pb_grpc
 
-from .procs import FrontendProc, Proc, start_peers, start_worker
-from .test_failover import cluster, wait_until
+from .procs import FrontendProc, Proc, start_peers, start_worker, wait_until
+from .test_failover import cluster
 from .test_prefix_index_redis import RedisServer
 from .test_routing import complete, decisions, scrape, tokens, total
 from .test_worker_faults import first_report

@@ -28,8 +28,8 @@ from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
 from ..faults import kv_transfer_fault_env
-from .procs import FrontendProc, Proc, Stream, start_peers, wait_for_file
-from .test_failover import frontend_counter, health, wait_until
+from .procs import FrontendProc, Proc, Stream, start_peers, wait_for_file, wait_until
+from .test_failover import frontend_counter, health
 from .test_worker_faults import first_report
 
 STALL_AFTER = 2  # blocks moved before the sender stalls

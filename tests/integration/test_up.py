@@ -7,8 +7,8 @@ and SIGTERM stops every process."""
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import httpx
@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 
-from .procs import UpProc
+from .procs import UpProc, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 32
@@ -59,6 +59,21 @@ def grpc_tokens(address: str, ids: list[int], max_tokens: int) -> list[int]:
         return [t for r in pb_grpc.FrontendStub(ch).Generate(req, timeout=180) for t in r.token_ids]
 
 
+def by_role(url: str) -> dict[str, list[dict[str, Any]]]:
+    roles: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    for w in httpx.get(f"{url}/cluster").json()["workers"]:
+        roles[w["role"]].append(w)
+    return roles
+
+
+def counted(roles: dict[str, list[dict[str, Any]]], requests: int) -> bool:
+    """Every request's prefill and some generated tokens are in the workers' reports."""
+    decode = [w["counters"] for w in roles["decode"]]
+    return (sum(c["remote_prefills"] + c["local_prefills"] for c in decode) >= requests
+            and all(c["generation_tokens"] > 0 for c in decode)
+            and any(w["counters"]["prompt_tokens_computed"] > 0 for w in roles["prefill"]))
+
+
 def test_two_by_two_matches_offline_and_spreads_work(stack, offline) -> None:  # type: ignore[no-untyped-def]
     url, grpc_address = stack
     ids = [offline.tokenizer.encode(p) for p in PROMPTS]
@@ -68,15 +83,17 @@ def test_two_by_two_matches_offline_and_spreads_work(stack, offline) -> None:  #
     with ThreadPoolExecutor(len(ids)) as pool:
         got = list(pool.map(lambda i: grpc_tokens(grpc_address, i, 12), ids))
     assert got == refs
-    workers = httpx.get(f"{url}/cluster").json()["workers"]
-    by_role: dict[str, list[dict]] = {"prefill": [], "decode": []}  # type: ignore[type-arg]
-    for w in workers:
-        by_role[w["role"]].append(w)
-    assert len(by_role["prefill"]) == 2 and len(by_role["decode"]) == 2
-    assert all(w["counters"]["generation_tokens"] > 0 for w in by_role["decode"])
-    assert sum(w["counters"]["remote_prefills"] for w in by_role["decode"]) == 4
-    assert sum(w["counters"]["local_prefills"] for w in by_role["decode"]) == 2
-    assert any(w["counters"]["prompt_tokens_computed"] > 0 for w in by_role["prefill"])
+
+    # /cluster's counters come with each worker's next load report, after the request ends.
+    wait_until(lambda: counted(by_role(url), len(ids)), 10,
+               lambda: f"the load reports never counted the requests: {by_role(url)}")
+    roles = by_role(url)
+    decode = [w["counters"] for w in roles["decode"]]
+    assert len(roles["prefill"]) == 2 and len(decode) == 2
+    assert all(c["generation_tokens"] > 0 for c in decode)
+    assert sum(c["remote_prefills"] for c in decode) == 4
+    assert sum(c["local_prefills"] for c in decode) == 2
+    assert any(w["counters"]["prompt_tokens_computed"] > 0 for w in roles["prefill"])
 
 
 def test_openai_sdk_chat_stream_equals_non_stream(stack, offline) -> None:  # type: ignore[no-untyped-def]
@@ -96,10 +113,10 @@ def test_openai_sdk_chat_stream_equals_non_stream(stack, offline) -> None:  # ty
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
                                            temperature=0.9, seed=3)
     assert streamed == again.choices[0].message.content
-    deadline = time.monotonic() + 10  # load reports arrive every 0.2 s
-    while True:
-        workers = httpx.get(f"{url}/cluster").json()["workers"]
-        if all(w["free_blocks"] == w["total_blocks"] for w in workers) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert [w["free_blocks"] for w in workers] == [w["total_blocks"] for w in workers]
+
+    def workers() -> list[dict]:  # type: ignore[type-arg]
+        return httpx.get(f"{url}/cluster").json()["workers"]  # type: ignore[no-any-return]
+
+    # load reports arrive every 0.2 s
+    wait_until(lambda: all(w["free_blocks"] == w["total_blocks"] for w in workers()), 10,
+               lambda: f"blocks still held: {workers()}")

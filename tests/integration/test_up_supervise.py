@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .procs import ROOT, Stream, free_port
+from .procs import ROOT, Stream, free_port, wait_until
 
 PROMPT = "A lighthouse keeper finds a message in a bottle. Tell what it says and what happens next."
 MAX_TOKENS = 96  # long enough that the kill lands mid-stream
@@ -71,15 +70,6 @@ class Up:
                 self.popen.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: Callable[[], str] | str,
-               still: Callable[[], bool] = lambda: True) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert still() and time.monotonic() < deadline, what() if callable(what) else what
-        time.sleep(0.05)
-
 
 def quietly(fn: Callable[[], bool]) -> Callable[[], bool]:
     """`fn`, False while the frontend is not answering."""
