@@ -83,6 +83,18 @@ def test_every_format_matches_torch_and_is_exact_across_formats(kernel, isa: str
                 assert torch.equal(kernel.q8_linear(x, q8, n_out, bias), y), f"q8, {m} rows, {isa}"
 
 
+def test_silu_and_mul_matches_torch_on_every_set(kernel, isa: str) -> None:  # type: ignore[no-untyped-def]
+    """The MLP's silu(gate) * up, as wide as the set's vectors: close to torch,
+    and an element's bits do not depend on its lane or on falling in the tail."""
+    gate_up = torch.randn(9, 2 * 75, generator=torch.Generator().manual_seed(5)) * 6  # a tail at every width
+    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -20.0, -0.0, 0.0, 1e-30, 30.0, 200.0])  # exp's ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = kernel.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    shifted = kernel.silu_and_mul(torch.cat([gate[:, 5:], up[:, 5:]], dim=-1))
+    assert torch.equal(shifted, out[:, 5:]), isa
+
+
 def test_every_instruction_set_computes_the_same_bits(kernel) -> None:  # type: ignore[no-untyped-def]
     """A step's tokens never depend on the machine's kernel family: every set
     this CPU runs gives the same float32 results, for every format."""
@@ -103,7 +115,9 @@ def test_every_instruction_set_computes_the_same_bits(kernel) -> None:  # type: 
                              for f in (lambda x: kernel.packed_linear(x, p4, 200),
                                        lambda x: kernel.q4_linear(x, b4, 200),
                                        lambda x: kernel.packed_linear(x, p8, 200),
-                                       lambda x: kernel.q8_linear(x, b8, 200))]
+                                       lambda x: kernel.q8_linear(x, b8, 200),
+                                       lambda x: kernel.silu_and_mul(x * 4),
+                                       lambda x: kernel.silu_and_mul(x[:, :150] * 4))]
     finally:
         kernel.set_isa(before)
     first = isas[0]

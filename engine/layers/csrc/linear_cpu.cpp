@@ -367,61 +367,6 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
   return {q, k_out};
 }
 
-// silu(g) * u, 4 lanes at a time (the portable build's SSE width; one build,
-// so the same bits on every CPU).  silu(g) = g * sigmoid(g), with sigmoid
-// through e = exp(-|g|), which never overflows (exp(-g) did, below g = -88:
-// inf, then NaN under -ffast-math): 1 / (1 + e) for g >= 0, e / (1 + e)
-// below.  exp by x = n ln2 + r, |r| <= ln2 / 2, and r's Taylor polynomial to
-// r^6 (relative error under 2e-7, as the attention kernel's).
-namespace {
-constexpr int SW = 4;
-typedef float sv __attribute__((vector_size(SW * 4)));
-typedef int32_t si __attribute__((vector_size(SW * 4)));
-typedef float sv_u __attribute__((vector_size(SW * 4), aligned(4)));
-// Without -ffast-math: its vector division is rcpps and a Newton step, which
-// differs between CPU makers (on every helper, so that they inline).
-#define SILU_MATH __attribute__((optimize("no-fast-math")))
-
-SILU_MATH inline sv bits_to_float(si b) { sv f; std::memcpy(&f, &b, sizeof(f)); return f; }
-SILU_MATH inline si float_bits(sv f) { si b; std::memcpy(&b, &f, sizeof(b)); return b; }
-
-SILU_MATH inline sv exp_nonpositive(sv x) {
-  x = __builtin_ia32_maxps(x, sv{} - 87.f);
-  const si n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, si);  // round(x / ln2): x <= 0
-  const sv fn = __builtin_convertvector(n, sv);
-  const sv r = x - fn * 0.693145751953125f - fn * 1.428606765330187e-06f;
-  sv p = sv{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * bits_to_float((n + 127) << 23);
-}
-
-SILU_MATH inline void silu_mul_lanes(const float* g, const float* u, float* o) {
-  const sv x = *reinterpret_cast<const sv_u*>(g);
-  const si xb = float_bits(x);
-  const si negative = xb >> 31;  // all ones where the sign is set
-  const sv e = exp_nonpositive(bits_to_float(xb | (1 << 31)));  // exp(-|x|)
-  const sv f = bits_to_float((negative & float_bits(e)) | (~negative & float_bits(sv{} + 1.f)));  // e or 1
-  *reinterpret_cast<sv_u*>(o) = x * f / (e + 1.f) * *reinterpret_cast<const sv_u*>(u);
-}
-
-SILU_MATH void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + SW <= n; i += SW) silu_mul_lanes(g + i, u + i, o + i);
-  if (i < n) {  // the tail through the same lanes: an element's bits do not depend on where it sits
-    float gt[SW] = {}, ut[SW] = {}, ot[SW];
-    std::memcpy(gt, g + i, (n - i) * sizeof(float));
-    std::memcpy(ut, u + i, (n - i) * sizeof(float));
-    silu_mul_lanes(gt, ut, ot);
-    std::memcpy(o + i, ot, (n - i) * sizeof(float));
-  }
-}
-}  // namespace
-
 // silu(gate) * up for gate_up = [gate | up] along the last dimension.
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_and_mul: float32 only");
@@ -432,14 +377,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   auto out = at::empty(sizes, gc.options());
   const float* gp = gc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  parallel_claim(T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
-      silu_mul_row(g, u, o, I);
-    }
-  });
+  const SiluRows rows = isa().silu_mul;
+  parallel_claim(T, 4, [&](int64_t begin, int64_t end) { rows(gp + begin * 2 * I, I, end - begin, op + begin * I); });
   return out;
 }
 

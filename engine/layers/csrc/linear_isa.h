@@ -11,6 +11,12 @@
 
 #include "linear_isa_api.h"
 
+// The SiLU's exp (silu_mul_rows below): without -ffast-math or fused multiply-adds.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include "exp_poly.h"
+#pragma GCC pop_options
+
 #if defined(SPLITSERVE_ISA_AVX512) || defined(SPLITSERVE_ISA_AVX2)
 #include <immintrin.h>
 #endif
@@ -349,9 +355,60 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
     }
 }
 
+// silu(g) * u, SW lanes at a time.  silu(g) = g * sigmoid(g), with sigmoid
+// through e = exp(-|g|), which never overflows (exp(-g) did, below g = -88:
+// inf, then NaN under -ffast-math): 1 / (1 + e) for g >= 0, e / (1 + e)
+// below (exp: exp_poly.h, as the attention kernel's).  Each lane's
+// operations are the same, in the same order, at every width, so every set
+// gives the same bits.
+#if defined(SPLITSERVE_ISA_AVX512)
+constexpr int SW = 16;
+#elif defined(SPLITSERVE_ISA_AVX2)
+constexpr int SW = 8;
+#else
+constexpr int SW = 4;  // SSE2, which every x86-64 CPU has
+#endif
+typedef float sv __attribute__((vector_size(SW * 4)));
+typedef int32_t si __attribute__((vector_size(SW * 4)));
+typedef float sv_u __attribute__((vector_size(SW * 4), aligned(4)));
+// Without -ffast-math (its vector division is a reciprocal estimate and a
+// Newton step, which differs between CPU makers) and without fused
+// multiply-adds (which the wider sets have and SSE2 has not); on every helper,
+// so that they inline.
+#define SILU_MATH __attribute__((optimize("no-fast-math", "fp-contract=off")))
+
+SILU_MATH inline sv bits_to_float(si b) { sv f; std::memcpy(&f, &b, sizeof(f)); return f; }
+SILU_MATH inline si float_bits(sv f) { si b; std::memcpy(&b, &f, sizeof(b)); return b; }
+
+SILU_MATH inline void silu_mul_lanes(const float* g, const float* u, float* o) {
+  const sv x = *reinterpret_cast<const sv_u*>(g);
+  const si xb = float_bits(x);
+  const si negative = xb >> 31;  // all ones where the sign is set
+  const sv e = splitserve_exp::exp_nonpositive<sv, si>(bits_to_float(xb | (1 << 31)));  // exp(-|x|)
+  const sv f = bits_to_float((negative & float_bits(e)) | (~negative & float_bits(sv{} + 1.f)));  // e or 1
+  *reinterpret_cast<sv_u*>(o) = x * f / (e + 1.f) * *reinterpret_cast<const sv_u*>(u);
+}
+
+SILU_MATH void silu_mul_rows(const float* gate_up, int64_t I, int64_t rows, float* out) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* g = gate_up + t * 2 * I;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+    for (; i + SW <= I; i += SW) silu_mul_lanes(g + i, u + i, o + i);
+    if (i < I) {  // the tail through the same lanes: an element's bits do not depend on where it sits
+      float gt[SW] = {}, ut[SW] = {}, ot[SW];
+      std::memcpy(gt, g + i, (I - i) * sizeof(float));
+      std::memcpy(ut, u + i, (I - i) * sizeof(float));
+      silu_mul_lanes(gt, ut, ot);
+      std::memcpy(o + i, ot, (I - i) * sizeof(float));
+    }
+  }
+}
+
 }  // namespace
 
 extern const IsaKernels SPLITSERVE_ISA_TABLE = {
-    SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>};
+    SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows};
 
 }  // namespace splitserve_linear

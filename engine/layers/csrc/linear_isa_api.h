@@ -28,9 +28,15 @@ using RowsTimesPanels = void (*)(const void* panels, int64_t pbytes, int64_t np,
                                  int64_t ldx, const float* xs, int64_t ldxs, int64_t rows, const float* bias,
                                  int64_t col0, int64_t cols, float* y, int64_t ldy);
 
+// out[t, :] = silu(gate_up[t, :I]) * gate_up[t, I:] for t < rows, as many
+// lanes at a time as the set has; every set gives the same bits (each lane's
+// arithmetic is IEEE's, unfused, whatever the width).
+using SiluRows = void (*)(const float* gate_up, int64_t I, int64_t rows, float* out);
+
 struct IsaKernels {
   const char* name;
   RowsTimesPanels f32, q4, q8;
+  SiluRows silu_mul;
 };
 
 extern const IsaKernels kScalarKernels;

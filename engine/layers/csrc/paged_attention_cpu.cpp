@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "exp_poly.h"
 #include "parallel_claim.h"
 
 #include <algorithm>
@@ -281,26 +282,8 @@ inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
 inline vf splat(float x) { return vf{} + x; }
 
-// exp(x) for x <= 0, lane by lane (the same bits in every lane and position):
-// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^6
-// (relative error under 2e-7).
-inline vf exp_neg(vf x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round(x / ln2): x <= 0
-  const vf fn = __builtin_convertvector(n, vf);
-  const vf r = x - fn * 0.693145751953125f - fn * 1.428606765330187e-06f;
-  vf p = splat(1.f / 720);
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const vi bits = (n + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
+// exp(x) for x <= 0, lane by lane (exp_poly.h).
+inline vf exp_neg(vf x) { return splitserve_exp::exp_nonpositive<vf, vi>(x); }
 
 inline float exp_neg1(float x) {
   const vf v = exp_neg(splat(x));
