@@ -139,8 +139,11 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
   // Tasks are (row chunk, group of G panels), chunk-major: a thread walks
   // panels while its rows stay in cache; each panel is read once per chunk.
-  // Few rows take panels G at a time (the kernel interleaves them).
-  // Many rows of a 4-bit layer take panels 2 at a time (decoded, then read in pairs).
+  // Up to 4 rows, a task is 4 panels (the kernel interleaves as many as its
+  // set's registers hold).  More rows of a 4-bit layer take panels 2 at a
+  // time: past one row tile (MR rows) the kernel decodes a pair once and reads
+  // it together in every tile (AVX-512; one panel at a time elsewhere); up to
+  // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
   const int64_t G = M <= 4 ? 4 : (w.block_sums ? 2 : 1), groups = (P + G - 1) / G;
   // About 16 claims per thread: small enough to even out a preempted thread,
   // large enough that claiming costs nothing.
