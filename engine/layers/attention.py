@@ -123,6 +123,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     # The kernels read fp8 values as stored: a cache scale s folds into the
     # softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
     s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
+    if kernel is not None and nd == meta.num_seqs:  # decodes only (every single-stream step): no slices
+        o = kernel.paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale * s,
+                                          window or 0)
+        return o if s == 1.0 else o * s
     parts: list[torch.Tensor] = []
     if nd and kernel is not None:
         o = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd], meta.seq_lens[:nd],
