@@ -175,6 +175,21 @@ def _min_tokens_banned(row: SamplingRow) -> set[int]:
     return banned
 
 
+def first_argmax(x: Tensor) -> Tensor:
+    """x: [B, V] -> [B] int64, torch's argmax (the first index on ties; a NaN
+    counts as the largest).  Over several rows, torch's CPU argmax along a long
+    last dimension is slow (1.0-1.4 ms for 32 x 49,152 logits on 2 cores,
+    against 0.12 for amax): the row's largest chunk maximum picks its chunk,
+    then argmax within that chunk, which is the same first index."""
+    b, v = x.shape
+    chunk = next((c for c in (1024, 512, 256, 128) if v % c == 0 and v > c), 0)
+    if b < 4 or not chunk:
+        return x.argmax(dim=-1)
+    parts = x.view(b, v // chunk, chunk)
+    c = parts.amax(dim=-1).argmax(dim=-1)  # the first chunk holding the row's maximum (or first NaN)
+    return c * chunk + parts[torch.arange(b, device=x.device), c].argmax(dim=-1)
+
+
 def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
     """-> (argmax_logits, processed): both [B, V] float32.
 
@@ -249,7 +264,7 @@ def compute_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     if greedy:
         idx = torch.tensor(greedy, device=logits.device)
         one_hot = torch.zeros_like(probs[idx])
-        one_hot.scatter_(1, argmax_logits[idx].argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, first_argmax(argmax_logits[idx])[:, None], 1.0)
         probs[idx] = one_hot
     return probs
 
@@ -300,7 +315,7 @@ def sample(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     if not rows:
         return []
     if all(is_greedy(r.params) for r in rows):
-        token_ids = process_logits(logits, rows)[0].argmax(dim=-1)  # first index on ties
+        token_ids = first_argmax(process_logits(logits, rows)[0])
     else:
         probs = compute_probs(logits, rows)  # [B, V]
         u = torch.tensor(draw_uniforms(rows), dtype=torch.float64, device=logits.device)

@@ -20,7 +20,15 @@ from torch import Tensor
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.llama import AttentionFn, LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import SamplingRow, compute_probs, draw_uniforms, inverse_cdf, is_greedy, process_logits
+from engine.sampler import (
+    SamplingRow,
+    compute_probs,
+    draw_uniforms,
+    first_argmax,
+    inverse_cdf,
+    is_greedy,
+    process_logits,
+)
 from engine.spec_decode.draft_cache import DraftKVCache, common_prefix_len
 
 Proposal = tuple[list[int], Tensor | None]  # drafts, their distributions [k, V] (None: one-hot)
@@ -106,7 +114,7 @@ class DraftProposer:
                             d.req.rng, d.req.eos_token_ids, num_resumed=d.req.num_resumed_tokens)
                 for d in seqs]
         if all(is_greedy(r.params) for r in rows):
-            tokens = process_logits(logits, rows)[0].argmax(dim=-1).tolist()
+            tokens = first_argmax(process_logits(logits, rows)[0]).tolist()
             probs = None
         else:
             probs = compute_probs(logits, rows)

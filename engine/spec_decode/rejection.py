@@ -30,6 +30,7 @@ from engine.sampler import (
     SampledToken,
     SamplingRow,
     compute_probs,
+    first_argmax,
     gather_logprobs,
     inverse_cdf,
     is_greedy,
@@ -88,7 +89,7 @@ def rejection_sample(logits: Tensor, items: Sequence[VerifyItem]) -> list[list[S
     for item in items:
         offsets.append(offsets[-1] + item.num_rows)
     if all(is_greedy(r.params) for r in rows):
-        target = process_logits(logits, rows)[0].argmax(dim=-1).tolist()  # first index on ties
+        target = first_argmax(process_logits(logits, rows)[0]).tolist()  # first index on ties
         emitted = [_walk_greedy(item, target[off:off + item.num_rows])
                    for item, off in zip(items, offsets, strict=False)]
     else:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import sampler as S
-from engine.sampler import SamplingRow, compute_probs, inverse_cdf, sample
+from engine.sampler import SamplingRow, compute_probs, first_argmax, inverse_cdf, sample
 from engine.sampling_params import SamplingParams
 
 V = 16
@@ -311,3 +311,21 @@ def test_top_logprobs_count_per_row() -> None:
         assert o.rank == 1  # greedy without processing picks the raw argmax
         assert o.logprob == pytest.approx(lg.log_softmax(-1).max().item())
         assert math.isfinite(o.logprob)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 49152), (4, 49152), (32, 49152), (40, 128256),
+                                        (8, 1000), (8, 151936), (5, 100)])
+def test_first_argmax_is_torchs_argmax(rows: int, vocab: int) -> None:
+    """The chunked argmax greedy rows take: torch's answer, ties (the first
+    wins), NaNs (the first NaN wins) and rows of -inf included."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    x[0, vocab // 3] = x[0, vocab - 1] = 50.0  # a tie across chunks
+    if rows > 1:
+        x[1, 7] = x[1, 900 % vocab] = float("nan")
+    if rows > 2:
+        x[2] = float("-inf")
+        x[2, vocab // 2] = -1e30
+    if rows > 3:
+        x[3, 1] = x[3, 2] = 60.0  # a tie inside one chunk
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
