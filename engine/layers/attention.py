@@ -123,14 +123,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     # The kernels read fp8 values as stored: a cache scale s folds into the
     # softmax scale (q.(s k) = (s q).k) and the output (sum p (s v)).
     s = KV_SCALE if is_fp8(kv_cache.dtype) else 1.0
-    if kernel is not None and nd == meta.num_seqs:  # decodes only (every single-stream step): no slices
-        o = kernel.paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale * s,
-                                          window or 0)
-        return o if s == 1.0 else o * s
     parts: list[torch.Tensor] = []
     if nd and kernel is not None:
-        o = kernel.paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                          scale * s, window or 0)
+        # Decodes only (every single-stream step): the whole batch, no slices.
+        qd, tables, lens = ((q, meta.block_tables, meta.seq_lens) if nd == meta.num_seqs
+                            else (q[:nd], meta.block_tables[:nd], meta.seq_lens[:nd]))
+        o = kernel.paged_decode_attention(qd, kv_cache, layer, tables, lens, scale * s, window or 0)
         parts.append(o if s == 1.0 else o * s)
     elif nd:
         parts.append(_torch_decodes(q[:nd], kv_cache, layer, meta, scale, window, softcap))

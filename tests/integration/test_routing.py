@@ -22,7 +22,7 @@ from engine.vocab.hashing import cache_model_key, extra_keys, hash_blocks
 from services.index.redis_index import RedisPrefixIndex
 
 from . import forkserver
-from .procs import Proc, Stream, address, free_port, peer_flag, start_worker
+from .procs import Proc, Stream, address, free_port, peer_flag, start_worker, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
@@ -204,16 +204,18 @@ def shared_prefix_run(url: str, seed: int, n: int) -> tuple[PerWorker, PerWorker
              "splitserve_worker_prefix_cache_queries_total")
     before = scrape(url)
     run_shared_prefix(url, seed, n)
+
+    def runs() -> tuple[PerWorker, PerWorker, PerWorker]:
+        after = scrape(url)
+        return tuple(diff(per_worker(after, name), per_worker(before, name)) for name in names)  # type: ignore[return-value]
+
     # The cache counters reach the frontend in the workers' load reports, after
     # the requests end: wait until every request's lookup has been reported.
-    deadline = time.monotonic() + 10
-    while True:
-        after = scrape(url)
-        runs = tuple(diff(per_worker(after, name), per_worker(before, name)) for name in names)
-        if sum(runs[2].values()) >= n * (PREFIX_TOKENS + SUFFIX_TOKENS):
-            return runs  # type: ignore[return-value]
-        assert time.monotonic() < deadline, f"the load reports never counted all {n} lookups: {runs}"
-        time.sleep(0.05)
+    def counted() -> tuple[PerWorker, PerWorker, PerWorker] | None:
+        now = runs()
+        return now if sum(now[2].values()) >= n * (PREFIX_TOKENS + SUFFIX_TOKENS) else None
+
+    return wait_until(counted, 10, lambda: f"the load reports never counted all {n} lookups: {runs()}")
 
 
 @pytest.fixture(scope="module")
