@@ -5,6 +5,7 @@ sampling and detokenization.  Variants are interleaved step by step (A/B/A/B)
 and medians reported, since the machines are shared and noisy.
 
     python -m benchmarks.step_profile --dtypes float32,bfloat16 --batch 1 --steps 64
+    python -m benchmarks.step_profile --dtypes float32,float32/bfloat16 --batch 32   # dtype/KV cache dtype
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
     now = time.thread_time if cpu_time else time.perf_counter
     llms: dict[str, tuple[LLM, Clock]] = {}
     for dt in dtypes:
-        llm = LLM(dtype=dt, num_threads=threads, max_num_seqs=max(batch, 1))
+        model_dtype, _, kv = dt.partition("/")  # "float32/bfloat16": a float32 model, a bfloat16 cache
+        llm = LLM(dtype=model_dtype, num_threads=threads, max_num_seqs=max(batch, 1),
+                  kv_cache_dtype=kv or "auto")
         clock = Clock(now)
         instrument(llm, clock)
         llms[dt] = (llm, clock)
@@ -129,7 +132,8 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to compare")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated dtypes to compare; DTYPE/KV sets the KV cache dtype too")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per dtype")

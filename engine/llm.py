@@ -40,7 +40,8 @@ class LLM:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}.
-        kv_cache_dtype: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (engine/layers/kv_quant.py)."""
+        kv_cache_dtype: auto (the model's dtype), bfloat16 (half a float32 model's cache), fp8_e4m3 or
+            fp8_e5m2 (engine/layers/kv_quant.py)."""
         config = engine_config(
             model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -10,9 +10,10 @@ that share the kv head, each padded to G_PAD, so the tile is a
 of them.  Keys are visited BLOCK_N at a time (a BLOCK_N tile may span several
 cache blocks when block_size < 16), with online softmax in fp32.  With a
 sliding window the key loop starts at the tile's first visible key, rounded
-down to BLOCK_N, and a mask drops keys older than each row's window.  An fp8
-cache (kv_quant.py) is dequantized as each K/V tile loads: to float32, times
-the cache's scale, to the query's dtype.
+down to BLOCK_N, and a mask drops keys older than each row's window.  A cache
+in another dtype than the query's (fp8, or a float32 model's bfloat16 cache:
+kv_quant.py) is widened as each K/V tile loads: to float32, times the cache's
+scale (fp8's; 1 otherwise), to the query's dtype.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ if triton is not None:
         tile_seq_ptr, tile_q_start_ptr,  # [num_tiles]: owning sequence, first query in it
         qk_scale,  # softmax scale * log2(e), so exp2 can be used
         window,  # > 0: keys q_pos - window + 1 .. q_pos only; 0: no window
-        kv_scale,  # KV_FP8: stored value * kv_scale = the key or value
+        kv_scale,  # KV_CAST: stored value * kv_scale = the key or value
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kv, stride_kv_slot, stride_kv_head,
         stride_bt,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, KV_FP8: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, KV_CAST: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -92,7 +93,7 @@ if triton is not None:
             kv_mask = n_valid[:, None] & d_valid[None, :]
             k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
             v = tl.load(kv_ptr + stride_kv_kv + kv_offs, mask=kv_mask, other=0.0)
-            if KV_FP8:  # tl.dot wants both operands in one dtype: the query's
+            if KV_CAST:  # tl.dot wants both operands in one dtype: the query's
                 k = (k.to(tl.float32) * kv_scale).to(q.dtype)
                 v = (v.to(tl.float32) * kv_scale).to(q.dtype)
 
@@ -170,13 +171,13 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         tile_seq, tile_q_start,
         scale * 1.4426950408889634,  # log2(e)
         window or 0,
-        KV_SCALE,
+        KV_SCALE if is_fp8(kv_cache.dtype) else 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         meta.block_tables.stride(0),
         G=group, G_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=max(_MIN_DOT, block_size), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, D_PAD=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
-        KV_FP8=is_fp8(kv_cache.dtype),
+        KV_CAST=kv_cache.dtype != q.dtype,
     )
     return out

@@ -156,10 +156,10 @@ class LlamaLayer(nn.Module):
                 part = qkv[:, lo:lo + n * s.head_dim]
                 part.copy_(f.rms_norm(part.reshape(t, n, s.head_dim), norm.weight, norm.eps).view(t, -1))
         v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        if kv_cache.dtype == torch.float32:
+        if kv_cache.dtype in (torch.float32, torch.bfloat16):
             q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
                                        s.num_heads, s.num_kv_heads)
-        else:  # an fp8 cache: the fused store writes float32 only; write_kv quantizes
+        else:  # an fp8 cache: the fused store writes float32 and bfloat16 only; write_kv quantizes
             q = apply_rope(qkv[:, :self.q_size].view(t, s.num_heads, s.head_dim), cos, sin)
             k = apply_rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim),
                            cos, sin)

@@ -1,4 +1,4 @@
-"""fp8 KV cache on the real model: greedy top-1 agreement with a float32
+"""fp8 and bfloat16 KV caches on the real model: greedy top-1 agreement with a float32
 cache on a fixed corpus, teacher-forced (both caches score the same tokens, so
 one early difference does not make every later position differ), and the
 memory it saves."""
@@ -35,6 +35,8 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 #   fp8_e4m3 cache            96.61%        99.70%        0.38        0.037
 #   fp8_e5m2 cache            91.67%        96.73%        0.66        0.081
 #   bfloat16 model (yardstick) 97.40%       99.70%        1.46        0.025
+#   bfloat16 cache, float32   100.00%      100.00%        0.024       0.0025
+#   model (--kv-cache-dtype bfloat16; Zen 5, session 17)
 # Issue 19 asks >= 99% top-1 agreement for e4m3.  Over all positions it does
 # not hold on this 135M model, nor does it for the bfloat16 model every
 # deployment accepts: 9 of e4m3's 13 misses (8 of bfloat16's 10) are near-ties
@@ -44,7 +46,8 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 # finer than per block and head, measured 97.40% (decided 98.63%) against
 # per-tensor 97.40% (99.45%) on the same float32 path.
 DECIDED = 0.25
-MIN_AGREEMENT = {"fp8_e4m3": (0.95, 0.99), "fp8_e5m2": (0.90, 0.95), "bf16_model": (0.95, 0.99)}
+MIN_AGREEMENT = {"fp8_e4m3": (0.95, 0.99), "fp8_e5m2": (0.90, 0.95), "bf16_model": (0.95, 0.99),
+                 "bfloat16": (0.99, 0.99)}
 
 
 def _runner(model_dir, dtype: str, kv: str) -> ModelRunner:  # type: ignore[no-untyped-def]
@@ -95,12 +98,12 @@ def greedy(reference, corpus):  # type: ignore[no-untyped-def]
     return teacher_forced(reference, corpus, None)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bf16_model"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "bf16_model"])
 def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> None:  # type: ignore[no-untyped-def]
-    """fp8 caches in a float32 model against its float32 cache; bf16_model (a
-    bfloat16 model and cache) is the yardstick."""
+    """fp8 and bfloat16 caches in a float32 model against its float32 cache;
+    bf16_model (a bfloat16 model and cache) is the yardstick."""
     runner = _runner(model_dir, *(("bfloat16", "auto") if kv == "bf16_model" else ("float32", kv)))
-    assert runner.kv_cache.dtype.itemsize == (2 if kv == "bf16_model" else 1)
+    assert runner.kv_cache.dtype.itemsize == (2 if kv in ("bf16_model", "bfloat16") else 1)
     tokens, ref_lp = greedy
     _, lp = teacher_forced(runner, corpus, tokens)
     chosen = torch.tensor(tokens)[..., None]  # [B, STEPS, 1]: the reference's greedy tokens
@@ -121,7 +124,10 @@ def test_fp8_blocks_per_budget(model_dir, reference) -> None:  # type: ignore[no
     fp8 = _runner(model_dir, "auto", "fp8_e4m3")
     bf16 = _runner(model_dir, "bfloat16", "auto")  # a bfloat16 model keeps a bfloat16 cache
     assert bf16.kv_dtype == torch.bfloat16
-    for r in (fp8, bf16, reference):
+    half = _runner(model_dir, "float32", "bfloat16")  # a float32 model's half-size cache
+    assert half.dtype == torch.float32 and half.kv_dtype == torch.bfloat16
+    assert half.block_bytes == bf16.block_bytes
+    for r in (fp8, bf16, half, reference):
         assert r.num_blocks == BUDGET // r.block_bytes
     print(f"\nblocks per GiB: fp8 {(1 << 30) // fp8.block_bytes}, bfloat16 {(1 << 30) // bf16.block_bytes}, "
           f"{reference.kv_dtype} {(1 << 30) // reference.block_bytes}")

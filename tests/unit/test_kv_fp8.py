@@ -10,7 +10,7 @@ import torch
 from engine.config import CacheConfig
 from engine.layers.attention import paged_attention
 from engine.layers.kv_quant import FP8_DTYPES, dequantize, quantize, resolve_kv_dtype
-from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step
+from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step, rows_reading_the_cache
 
 FP8 = list(FP8_DTYPES.values())
 # fp8 attention against float32 on unit-normal K/V: a value keeps 3 (e4m3) or 2
@@ -31,7 +31,7 @@ def test_flag_values() -> None:
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
     assert resolve_kv_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, bfloat16, fp8_e4m3, fp8_e5m2"):
         CacheConfig(kv_cache_dtype="fp8")
 
 
@@ -68,12 +68,7 @@ def test_torch_path_and_cpu_kernel_read_fp8(dtype: torch.dtype, block_size: int)
     assert load_cpu_kernel() is not None
     q, k_new, v_new, cache8, meta, ref, expected = _fp8_step(dtype, MIXED_BATCH, block_size, 11)
     scale = 64 ** -0.5
-    # Prefills without a cached prefix attend to this step's unrounded keys.
-    fresh = [i for i, (ql, sl) in enumerate(MIXED_BATCH) if ql == sl and ql > 1]
-    rows = torch.ones(q.shape[0], dtype=torch.bool)
-    starts = meta.query_start_loc.tolist()
-    for i in fresh:
-        rows[starts[i]:starts[i + 1]] = False
+    rows = rows_reading_the_cache(MIXED_BATCH, meta)
     for use_kernel in (True, False):
         out = paged_attention(q, k_new, v_new, cache8, LAYER, meta, scale, use_kernel=use_kernel)
         assert (out[rows] - ref[rows]).abs().max().item() < 1e-5, use_kernel

@@ -23,6 +23,18 @@ MIXED_BATCH = [(1, 1), (1, 7), (1, 17), (1, 40),
                (5, 5), (13, 13), (3, 20), (9, 41), (1, 12)]
 
 
+def rows_reading_the_cache(seqs: list[tuple[int, int]], meta: AttentionMetadata) -> torch.Tensor:
+    """[T] bool: the query rows that read every key from the cache.  A prefill
+    without a cached prefix attends to this step's keys as computed on the
+    torch path, not as a rounding cache stores them."""
+    rows = torch.ones(int(meta.query_start_loc[-1]), dtype=torch.bool)
+    starts = meta.query_start_loc.tolist()
+    for i, (q_len, seq_len) in enumerate(seqs):
+        if q_len == seq_len and q_len > 1:
+            rows[starts[i]:starts[i + 1]] = False
+    return rows
+
+
 def _causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int | None = None) -> torch.Tensor:
     """q: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] -> [q_len, Hq, D].  The queries

@@ -311,14 +311,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
 
 // The attention block's input side for T new tokens: rotate q and k (rotate-half
 // rope with cos/sin [T, D/2]), store k and v in the paged cache at
-// slot_mapping[t]; return the rotated q [T, Hq, D] and k [T, Hkv, D].
-//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D]
+// slot_mapping[t]; return the rotated q [T, Hq, D] and k [T, Hkv, D] (float32).
+//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D], float32 or bfloat16
 std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rope_and_store_kv: float32 only");
+  // A bfloat16 cache (kv-cache-dtype bfloat16) stores k and v rounded to nearest
+  // even, as torch's .to(torch.bfloat16) rounds them.
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || kv_cache.scalar_type() == at::kFloat, "rope_and_store_kv: a float32 or bfloat16 cache only");
   TORCH_CHECK(kv_cache.is_contiguous(), "rope_and_store_kv: the KV cache must be contiguous");
   const int64_t D = kv_cache.size(5), half = D / 2, bs = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == num_kv_heads, "rope_and_store_kv: KV heads do not match the cache");
@@ -337,7 +340,8 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
   const float* sp = sc.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* cache = kv_cache.data_ptr<float>();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t esize = kv_cache.element_size();
   const int64_t s_blk = kv_cache.stride(0), s_lyr = kv_cache.stride(1), s_kv = kv_cache.stride(2),
                 s_tok = kv_cache.stride(3);
   const int64_t num_slots = kv_cache.size(0) * bs;
@@ -357,14 +361,21 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
       const float* s = sp + t * half;
       for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * D, c, s, qp + (t * num_heads + h) * D);
       const int64_t blk = slot[t] / bs, off = slot[t] % bs;
-      float* kdst = cache + blk * s_blk + layer * s_lyr + off * s_tok;
-      float* vdst = kdst + s_kv;
+      char* kdst = cache + (blk * s_blk + layer * s_lyr + off * s_tok) * esize;
+      char* vdst = kdst + s_kv * esize;
       const float* k = row + num_heads * D;
       const float* v = k + num_kv_heads * D;
       float* kr = kp + t * num_kv_heads * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * D, c, s, kr + h * D);
-      std::memcpy(kdst, kr, num_kv_heads * D * sizeof(float));
-      std::memcpy(vdst, v, num_kv_heads * D * sizeof(float));
+      const int64_t n = num_kv_heads * D;
+      if (bf16) {
+        auto* kb = reinterpret_cast<c10::BFloat16*>(kdst);
+        auto* vb = reinterpret_cast<c10::BFloat16*>(vdst);
+        for (int64_t i = 0; i < n; ++i) { kb[i] = c10::BFloat16(kr[i]); vb[i] = c10::BFloat16(v[i]); }
+      } else {
+        std::memcpy(kdst, kr, n * sizeof(float));
+        std::memcpy(vdst, v, n * sizeof(float));
+      }
     }
   });
   return {q, k_out};

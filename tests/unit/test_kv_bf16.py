@@ -1,0 +1,108 @@
+"""A float32 model's bfloat16 KV cache (--kv-cache-dtype bfloat16): every
+attention reader (the torch path, the CPU kernels, Triton by its interpreter)
+computes on exactly the widened values, in float32; and the CPU kernels widen
+fp8 bytes exactly as torch does, all 256 of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig
+from engine.layers.attention import paged_attention
+from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.kv_quant import dequantize, quantize, resolve_kv_dtype
+from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step, rows_reading_the_cache
+
+# bfloat16 keeps 8 bits of mantissa: a value is off by up to 2**-9 of itself, so
+# a one-key output (= v) of unit-normal values may be 0.01 off; a misread
+# element (a wrong byte order, a float read as two halves) is off by about 1.
+BF16_MAX_ERR, BF16_MEAN_ERR = 0.02, 0.002
+
+
+def test_flag_values() -> None:
+    assert resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert resolve_kv_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
+    assert CacheConfig(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, bfloat16, fp8_e4m3, fp8_e5m2"):
+        CacheConfig(kv_cache_dtype="bf16")
+
+
+def _bf16_step(seed: int, block_size: int = 16):  # type: ignore[no-untyped-def]
+    """A float32 step over a bfloat16 cache.  -> (q, k_new, v_new, cache,
+    meta, the torch path over the widened cache, the float32 answer)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k_new, v_new, cache32, meta, expected = _make_step(MIXED_BATCH, block_size, 9, 3, 64, gen)
+    cache = quantize(cache32, torch.bfloat16)
+    assert cache.dtype == torch.bfloat16
+    k_r, v_r = (dequantize(quantize(t, torch.bfloat16), torch.float32) for t in (k_new, v_new))
+    ref = paged_attention(q, k_r, v_r, dequantize(cache, torch.float32), LAYER, meta, 64 ** -0.5,
+                          use_kernel=False)
+    return q, k_new, v_new, cache, meta, ref, expected
+
+
+def _close_to_float(out: torch.Tensor, expected: torch.Tensor) -> None:
+    err = (out.float() - expected).abs()
+    assert err.max().item() < BF16_MAX_ERR, err.max().item()
+    assert err.mean().item() < BF16_MEAN_ERR, err.mean().item()
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_torch_path_and_cpu_kernels_read_bf16_under_float32(block_size: int) -> None:
+    assert load_cpu_kernel() is not None
+    q, k_new, v_new, cache, meta, ref, expected = _bf16_step(21, block_size)
+    assert q.dtype == torch.float32
+    rows = rows_reading_the_cache(MIXED_BATCH, meta)
+    for use_kernel in (True, False):
+        out = paged_attention(q, k_new, v_new, cache, LAYER, meta, 64 ** -0.5, use_kernel=use_kernel)
+        assert out.dtype == torch.float32
+        assert (out[rows] - ref[rows]).abs().max().item() < 1e-5, use_kernel
+        _close_to_float(out, expected)
+    # The decode kernel alone over the widened cache: the same sums as over a float32 copy.
+    nd = meta.num_decodes
+    kernel = load_cpu_kernel()
+    args = (LAYER, meta.block_tables[:nd], meta.seq_lens[:nd], 64 ** -0.5)
+    from_bf16 = kernel.paged_decode_attention(q[:nd], cache, *args)  # type: ignore[union-attr]
+    from_f32 = kernel.paged_decode_attention(q[:nd], cache.float(), *args)  # type: ignore[union-attr]
+    assert torch.equal(from_bf16, from_f32)
+
+
+def test_triton_reads_bf16_under_float32() -> None:
+    pytest.importorskip("triton")
+    from engine.layers.triton_attention import triton_paged_attention
+
+    q, _, _, cache, meta, ref, expected = _bf16_step(22)
+    out = triton_paged_attention(q, cache, LAYER, meta, 64 ** -0.5)
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max().item() < 1e-4  # every key from the cache: the rounded reference
+    _close_to_float(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype) -> None:
+    """One key and one value per sequence, so the output is the value row
+    itself (softmax over one key is 1): every byte pattern of fp8 (256), and a
+    spread of bfloat16 ones (normals, subnormals, signed zeros, infinities),
+    widened by the kernel equal torch's own conversion (NaN stays NaN)."""
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    if dtype == torch.bfloat16:
+        bits = torch.cat([torch.arange(0, 65536, 257), torch.tensor([0x0001, 0x8001, 0x007f, 0x0080, 0x8000,
+                                                                     0x7f80, 0xff80, 0x7f7f, 0xff7f])])
+        stored = bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)  # the same 16 bits
+    else:
+        stored = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    n = stored.numel()
+    d = 64
+    rows = -(-n // d)
+    padded = torch.zeros(rows * d, dtype=dtype)
+    padded[:n] = stored
+    cache = torch.zeros(rows, 1, 2, 16, 1, d, dtype=dtype)
+    cache[:, 0, 1, 0, 0] = padded.view(rows, d)  # block r, position 0: the values
+    tables = torch.arange(rows, dtype=torch.int32)[:, None]
+    out = kernel.paged_decode_attention(torch.zeros(rows, 1, d), cache, 0, tables,
+                                        torch.ones(rows, dtype=torch.int32), 1.0)
+    got, want = out.reshape(-1)[:n], stored.float()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan])  # -0.0 sums to +0.0 in the output: == compares values
