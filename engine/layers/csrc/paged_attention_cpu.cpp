@@ -100,6 +100,85 @@ inline const float* as_floats(const c10::BFloat16* row, float* buf, int64_t D) {
   return buf;
 }
 
+// Share `part` of `parts` of the cache lines of [p, p + bytes): a block's
+// prefetches spread over its heads' work, not all asked for at once.
+inline void prefetch_share(const char* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) __builtin_prefetch(p + l * 64);
+}
+
+// The decode kernel's vector: one register of floats (16 on AVX-512, 8 on
+// AVX2, where GCC splits wider vectors badly); _u: unaligned in memory.
+#if defined(__AVX512F__)
+constexpr int DW = 16;
+#else
+constexpr int DW = 8;
+#endif
+typedef float dvec __attribute__((vector_size(DW * 4)));
+typedef float dvec_u __attribute__((vector_size(DW * 4), aligned(4)));
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));
+
+// a[0:D] += p[i] * rows[i * stride : + D] for i < n, in that order, with a in
+// registers (D / DW vectors) throughout.
+template <int D>
+inline void add_weighted_rows(float* __restrict__ a, const float* __restrict__ p, const float* __restrict__ rows,
+                              int64_t stride, int64_t n) {
+  constexpr int C = D / DW;
+  dvec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = *reinterpret_cast<const dvec_u*>(a + DW * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float* r = rows + i * stride;
+    for (int c = 0; c < C; ++c) acc[c] += pi * *reinterpret_cast<const dvec_u*>(r + DW * c);
+  }
+  for (int c = 0; c < C; ++c) *reinterpret_cast<dvec_u*>(a + DW * c) = acc[c];
+}
+
+// out[i] = the sum of the 16 lanes of v[i], i < 16: a tree of two-vector
+// shuffles and adds (15 adds for 16 sums, against 4 a sum one vector at a
+// time), the same tree GCC's vectorized sum of one vector takes, so the same
+// bits.  AVX-512 only (DW == 16).
+inline f32x16 lane_sums(const f32x16 (&v)[16]) {
+  f32x16 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)  // halves: lanes 0-7 of v[2j]'s partial sums, 8-15 v[2j + 1]'s
+    w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int j = 0; j < 4; ++j)  // quarters: 4 lanes each of v[4j .. 4j + 3]
+    x[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)  // pairs: 2 lanes each of v[8j .. 8j + 7]
+    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// s[i] = q . rows[i * stride : + D] for i < n, 16 positions at a time.
+template <int D>
+inline void dot_rows(const float* __restrict__ q, const float* __restrict__ rows, int64_t stride, int64_t n,
+                     float* __restrict__ s) {
+  constexpr int C = D / 16;
+  f32x16 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = *reinterpret_cast<const f32x16_u*>(q + 16 * c);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    f32x16 part[16];
+    for (int j = 0; j < 16; ++j) {
+      f32x16 acc = {};
+      if (j < m) {
+        const float* r = rows + (i0 + j) * stride;
+        for (int c = 0; c < C; ++c) acc += qv[c] * *reinterpret_cast<const f32x16_u*>(r + 16 * c);
+      }
+      part[j] = acc;
+    }
+    const f32x16 sums = lane_sums(part);
+    if (m == 16) *reinterpret_cast<f32x16_u*>(s + i0) = sums;
+    else std::memcpy(s + i0, &sums, m * sizeof(float));
+  }
+}
+
 // Partial result of one span: per query head, m, l and the unnormalised sum.
 struct Partial {
   float* m;    // [Hq]
@@ -128,17 +207,31 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
                                   : nullptr;
     const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
     // Scores for every query head and position of the block.
-    for (int64_t i = 0; i < n; ++i) {
-      if (next != nullptr)
-        for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
-      for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const float* kr = as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          const float* __restrict__ qh = qf + h * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
-          scores[h * bs + i] = s;
+    if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
+      if constexpr (!std::is_same_v<scalar_t, float>)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t hk = h / G;
+        if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
+        if constexpr (std::is_same_v<scalar_t, float>)
+          dot_rows<D_>(qf + h * D, kb + hk * s_head, s_tok, n, scores + h * bs);
+        else
+          dot_rows<D_>(qf + h * D, kv_f + hk * D, Hkv * D, n, scores + h * bs);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (next != nullptr)
+          for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          const float* kr = as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            const float* __restrict__ qh = qf + h * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+            scores[h * bs + i] = s;
+          }
         }
       }
     }
@@ -160,17 +253,42 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     }
     // Values: acc_h += p_h,i v_i.
     const scalar_t* vb = kb + s_kv;
-    for (int64_t i = 0; i < n; ++i) {
-      if (next != nullptr)
-        for (int64_t c = 0; c < row_bytes; c += 64)
-          __builtin_prefetch(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
-      for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const float* vr = as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          const float p = scores[h * bs + i];
-          float* __restrict__ a = out.acc + h * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+    if constexpr (D_ > 0 && D_ % DW == 0) {
+      // Each head's accumulator stays in registers across the block's positions
+      // (added to in memory, position by position, it was a store and a load
+      // per 16 values and position: the kernel's largest cost); the same
+      // additions in the same order, so the same bits.
+      if constexpr (!std::is_same_v<scalar_t, float>)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t hk = h / G;
+        if (next != nullptr)
+          prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, h, Hq);
+        const float* vrows;
+        int64_t vstride;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          vrows = vb + hk * s_head;
+          vstride = s_tok;
+        } else {
+          vrows = kv_f + hk * D;
+          vstride = Hkv * D;
+        }
+        add_weighted_rows<D_>(out.acc + h * D, scores + h * bs, vrows, vstride, n);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (next != nullptr)
+          for (int64_t c = 0; c < row_bytes; c += 64)
+            __builtin_prefetch(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          const float* vr = as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            const float p = scores[h * bs + i];
+            float* __restrict__ a = out.acc + h * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+          }
         }
       }
     }
