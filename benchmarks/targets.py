@@ -323,9 +323,10 @@ def main() -> int:
     report: list[str] = []
     threads = os.cpu_count() or 1
     native = fast_bf16()
-    peak = matmul_peak(threads)
-    report.append("0. matmul peak (512x576x3072, all cores): "
-                  + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak.items()))
+    # The peak is measured again after the servers (below) and the better of
+    # the two kept: on a shared host one slow moment would otherwise make a
+    # low peak, and every fraction of it look high.
+    peak_before = matmul_peak(threads) if only & {3, 4} else {}
     params, layers, qdim = model_shape()
     ours: dict[str, str] = {}  # label -> dtype it serves
     disagg_label = ""
@@ -352,12 +353,7 @@ def main() -> int:
             if 4 in only:
                 secs = prefill_seconds(coloc, PREFILL_TOKENS)
                 flops = 2 * params * PREFILL_TOKENS + 2 * layers * PREFILL_TOKENS ** 2 * qdim
-                name, best = dtype_peak(peak, ours[coloc.label])
                 r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs}
-                rate = flops / secs
-                report.append(f"4. prefill of {PREFILL_TOKENS} tokens, {coloc.label} ({ours[coloc.label]}): "
-                              f"{secs:.2f} s = {rate / 1e9:.1f} GFLOP/s = {rate / best:.0%} of "
-                              f"the {name} peak (target >= 60%): {verdict(rate >= 0.6 * best)}")
     vllm_dtype = "bfloat16" if native else "float32"
     if args.vllm_python and only & {1, 2, 5}:
         hf = Path(args.hf_dir)
@@ -380,6 +376,21 @@ def main() -> int:
                 r.bench(llama, "single")
 
     done = r.results
+    peak: dict[str, float] = {}
+    if only & {3, 4}:
+        peak_after = matmul_peak(threads)
+        peak = {k: max(v, peak_after.get(k, 0.0)) for k, v in peak_before.items()}
+        report.append("0. matmul peak (512x576x3072, all cores; the better of before and after the servers): "
+                      + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s (before {peak_before[k] / 1e9:.1f}, after "
+                                  f"{peak_after.get(k, 0.0) / 1e9:.1f})" for k, v in peak.items()))
+    if 4 in only:
+        for label, dtype in ours.items():
+            pf = done[f"{label} / prefill"]
+            name, best = dtype_peak(peak, dtype)
+            rate = pf["flops"]
+            report.append(f"4. prefill of {PREFILL_TOKENS} tokens, {label} ({dtype}): "
+                          f"{pf['seconds']:.2f} s = {rate / 1e9:.1f} GFLOP/s = {rate / best:.0%} of "
+                          f"the {name} peak (target >= 60%): {verdict(rate >= 0.6 * best)}")
 
     def tput(label: str, workload: str) -> float | None:
         key = f"{label} / {workload}"
