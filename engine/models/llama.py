@@ -156,14 +156,9 @@ class LlamaLayer(nn.Module):
                 part = qkv[:, lo:lo + n * s.head_dim]
                 part.copy_(f.rms_norm(part.reshape(t, n, s.head_dim), norm.weight, norm.eps).view(t, -1))
         v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        if kv_cache.dtype in (torch.float32, torch.bfloat16):
-            q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
-                                       s.num_heads, s.num_kv_heads)
-        else:  # an fp8 cache: the fused store writes float32 and bfloat16 only; write_kv quantizes
-            q = apply_rope(qkv[:, :self.q_size].view(t, s.num_heads, s.head_dim), cos, sin)
-            k = apply_rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, s.num_kv_heads, s.head_dim),
-                           cos, sin)
-            write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+        # Stored in the cache's dtype (float32, bfloat16 or fp8) as write_kv would store them.
+        q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
+                                   s.num_heads, s.num_kv_heads)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
         # x += o_proj(o), then h = norm2(x)
         h = f.rms_norm(self.o_proj.forward(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)

@@ -135,17 +135,19 @@ def test_fused_rms_norm_matches_the_module(kernel, rows: int) -> None:  # type: 
         kernel.rms_norm(x, torch.ones(95), 1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype",
+                         [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fused_rope_and_kv_store_match_the_torch_ops(kernel, cache_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    """A bfloat16 cache (a float32 model's --kv-cache-dtype bfloat16) holds
-    exactly what write_kv stores (torch's rounding to nearest even); q and k
-    come back in float32, unrounded, either way."""
+    """A bfloat16 or fp8 cache (--kv-cache-dtype) holds exactly what write_kv
+    stores (torch's rounding to nearest even; fp8 saturated at its largest
+    finite value); q and k come back in float32, unrounded, either way."""
     from engine.layers.attention import write_kv
     from engine.models.llama import apply_rope
 
     t, hq, hkv, d, bs = 5, 6, 2, 16, 4
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    qkv[0, -4:] = torch.tensor([1e4, -1e4, 0.0, -0.0])  # v past fp8's range (saturates) and signed zeros
     ang = torch.randn(t, 1, d // 2, generator=gen)
     cos, sin = ang.cos(), ang.sin()
     slots = torch.tensor([13, 2, 7, 30, 0])
@@ -159,11 +161,17 @@ def test_fused_rope_and_kv_store_match_the_torch_ops(kernel, cache_dtype: torch.
     write_kv(expected, layer, rk, rv.reshape(t, hkv, d), slots)
     torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
-    if cache_dtype == torch.bfloat16:  # the same rounding: bit for bit, unless rope's last bit moved a tie
-        assert (cache.float() - expected.float()).abs().max().item() <= 2 ** -8 * expected.abs().max().item()
-        assert (cache == expected).float().mean().item() > 0.99
+    if cache_dtype != torch.float32:
         # v is not rotated: its stored bits are exactly torch's rounding of it.
-        assert torch.equal(cache[:, layer, 1], expected[:, layer, 1])
+        assert torch.equal(cache[:, layer, 1].view(torch.uint8), expected[:, layer, 1].view(torch.uint8))
+        assert torch.isfinite(cache.float()).all()
+        # k: the same rounding, bit for bit unless rope's last bit moved a value over a rounding edge.
+        k_bits, k_want = cache[:, layer, 0].view(torch.uint8), expected[:, layer, 0].view(torch.uint8)
+        same = (k_bits == k_want).float().mean()
+        assert same.item() > 0.95
+        ulp = torch.finfo(cache_dtype).eps  # one unit in the last place, relative
+        err = (cache.float() - expected.float()).abs().max().item()
+        assert err <= ulp * expected.float().abs().max().item(), err
     else:
         torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <atomic>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -309,19 +310,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
   return out;
 }
 
+// n floats into a cache of T: fp8 saturates at its largest finite value
+// (a plain conversion makes NaN or inf past it), then every type rounds as c10 does.
+template <typename T>
+void store_as(const float* src, char* dst, int64_t n) {
+  T* out = reinterpret_cast<T*>(dst);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < n; ++i) out[i] = T(src[i]);
+  } else {
+    const float top = static_cast<float>(std::numeric_limits<T>::max());
+    for (int64_t i = 0; i < n; ++i) out[i] = T(std::isnan(src[i]) ? src[i] : std::min(std::max(src[i], -top), top));
+  }
+}
+
 // The attention block's input side for T new tokens: rotate q and k (rotate-half
 // rope with cos/sin [T, D/2]), store k and v in the paged cache at
 // slot_mapping[t]; return the rotated q [T, Hq, D] and k [T, Hkv, D] (float32).
-//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D], float32 or bfloat16
+//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D], float32, bfloat16 or fp8
 std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rope_and_store_kv: float32 only");
-  // A bfloat16 cache (kv-cache-dtype bfloat16) stores k and v rounded to nearest
-  // even, as torch's .to(torch.bfloat16) rounds them.
-  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || kv_cache.scalar_type() == at::kFloat, "rope_and_store_kv: a float32 or bfloat16 cache only");
+  // A bfloat16 or fp8 cache (--kv-cache-dtype) stores k and v as
+  // engine/layers/kv_quant.py's quantize does: rounded to nearest even by
+  // c10's conversion (torch's .to), fp8 first clamped to its largest finite
+  // value (the cache's scale is 1).
+  const auto ct = kv_cache.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2,
+              "rope_and_store_kv: a float32, bfloat16 or fp8 cache only");
   TORCH_CHECK(kv_cache.is_contiguous(), "rope_and_store_kv: the KV cache must be contiguous");
   const int64_t D = kv_cache.size(5), half = D / 2, bs = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == num_kv_heads, "rope_and_store_kv: KV heads do not match the cache");
@@ -368,13 +385,18 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
       float* kr = kp + t * num_kv_heads * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * D, c, s, kr + h * D);
       const int64_t n = num_kv_heads * D;
-      if (bf16) {
-        auto* kb = reinterpret_cast<c10::BFloat16*>(kdst);
-        auto* vb = reinterpret_cast<c10::BFloat16*>(vdst);
-        for (int64_t i = 0; i < n; ++i) { kb[i] = c10::BFloat16(kr[i]); vb[i] = c10::BFloat16(v[i]); }
-      } else {
+      if (ct == at::kFloat) {
         std::memcpy(kdst, kr, n * sizeof(float));
         std::memcpy(vdst, v, n * sizeof(float));
+      } else if (ct == at::kBFloat16) {
+        store_as<c10::BFloat16>(kr, kdst, n);
+        store_as<c10::BFloat16>(v, vdst, n);
+      } else if (ct == at::kFloat8_e4m3fn) {
+        store_as<c10::Float8_e4m3fn>(kr, kdst, n);
+        store_as<c10::Float8_e4m3fn>(v, vdst, n);
+      } else {
+        store_as<c10::Float8_e5m2>(kr, kdst, n);
+        store_as<c10::Float8_e5m2>(v, vdst, n);
       }
     }
   });
