@@ -37,9 +37,7 @@ import torch
 
 from engine.config import KV_CACHE_DTYPES
 
-KV_SCALE = 1.0
-# The fused store (linear_cpu.cpp, rope_and_store_kv) writes fp8 with a scale of 1.
-assert KV_SCALE == 1.0
+KV_SCALE = 1.0  # the fused store (linear_cpu.cpp, rope_and_store_kv) writes fp8 with this scale
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 assert set(FP8_DTYPES) | {"auto", "bfloat16"} == set(KV_CACHE_DTYPES)
 

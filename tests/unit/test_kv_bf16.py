@@ -11,8 +11,9 @@ import torch
 from engine.config import CacheConfig
 from engine.layers.attention import paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel
-from engine.layers.kv_quant import dequantize, quantize, resolve_kv_dtype
-from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step, rows_reading_the_cache
+from engine.layers.kv_quant import resolve_kv_dtype
+from tests.unit.test_kv_fp8 import quantized_step
+from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, rows_reading_the_cache
 
 # bfloat16 keeps 8 bits of mantissa: a value is off by up to 2**-9 of itself, so
 # a one-key output (= v) of unit-normal values may be 0.01 off; a misread
@@ -28,19 +29,6 @@ def test_flag_values() -> None:
         CacheConfig(kv_cache_dtype="bf16")
 
 
-def _bf16_step(seed: int, block_size: int = 16):  # type: ignore[no-untyped-def]
-    """A float32 step over a bfloat16 cache.  -> (q, k_new, v_new, cache,
-    meta, the torch path over the widened cache, the float32 answer)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k_new, v_new, cache32, meta, expected = _make_step(MIXED_BATCH, block_size, 9, 3, 64, gen)
-    cache = quantize(cache32, torch.bfloat16)
-    assert cache.dtype == torch.bfloat16
-    k_r, v_r = (dequantize(quantize(t, torch.bfloat16), torch.float32) for t in (k_new, v_new))
-    ref = paged_attention(q, k_r, v_r, dequantize(cache, torch.float32), LAYER, meta, 64 ** -0.5,
-                          use_kernel=False)
-    return q, k_new, v_new, cache, meta, ref, expected
-
-
 def _close_to_float(out: torch.Tensor, expected: torch.Tensor) -> None:
     err = (out.float() - expected).abs()
     assert err.max().item() < BF16_MAX_ERR, err.max().item()
@@ -50,7 +38,8 @@ def _close_to_float(out: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_torch_path_and_cpu_kernels_read_bf16_under_float32(block_size: int) -> None:
     assert load_cpu_kernel() is not None
-    q, k_new, v_new, cache, meta, ref, expected = _bf16_step(21, block_size)
+    q, k_new, v_new, cache, meta, ref, expected = quantized_step(torch.bfloat16, MIXED_BATCH, block_size, 21)
+    assert cache.dtype == torch.bfloat16
     assert q.dtype == torch.float32
     rows = rows_reading_the_cache(MIXED_BATCH, meta)
     for use_kernel in (True, False):
@@ -71,7 +60,7 @@ def test_triton_reads_bf16_under_float32() -> None:
     pytest.importorskip("triton")
     from engine.layers.triton_attention import triton_paged_attention
 
-    q, _, _, cache, meta, ref, expected = _bf16_step(22)
+    q, _, _, cache, meta, ref, expected = quantized_step(torch.bfloat16, MIXED_BATCH, 16, 22)
     out = triton_paged_attention(q, cache, LAYER, meta, 64 ** -0.5)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max().item() < 1e-4  # every key from the cache: the rounded reference

@@ -46,13 +46,14 @@ def test_quantize_saturates(dtype: torch.dtype) -> None:
     assert back.tolist() == [top, -top, top, 1.0, -0.5, 0.0]
 
 
-def _fp8_step(dtype: torch.dtype, seqs: list[tuple[int, int]], block_size: int, seed: int):  # type: ignore[no-untyped-def]
-    """A float32 step and the same step over an fp8 cache.  -> (q, k_new, v_new,
-    fp8 cache, meta, reference on the dequantized values, float32 answer)."""
+def quantized_step(dtype: torch.dtype, seqs: list[tuple[int, int]], block_size: int, seed: int):  # type: ignore[no-untyped-def]
+    """A float32 step and the same step over a cache of `dtype` (fp8, bfloat16).
+    -> (q, k_new, v_new, that cache, meta, reference on the dequantized values,
+    float32 answer)."""
     gen = torch.Generator().manual_seed(seed)
     q, k_new, v_new, cache32, meta, expected = _make_step(seqs, block_size, 9, 3, 64, gen)
     cache8 = quantize(cache32, dtype)
-    # What fp8 attention computes: the torch path over the dequantized cache,
+    # What attention over that cache computes: the torch path over the dequantized cache,
     # with this step's keys rounded as the cache rounds them.
     k_r, v_r = (dequantize(quantize(t, dtype), torch.float32) for t in (k_new, v_new))
     ref = paged_attention(q, k_r, v_r, dequantize(cache8, torch.float32), LAYER, meta, 64 ** -0.5,
@@ -66,7 +67,7 @@ def test_torch_path_and_cpu_kernel_read_fp8(dtype: torch.dtype, block_size: int)
     from engine.layers.cpu_attention import load_cpu_kernel
 
     assert load_cpu_kernel() is not None
-    q, k_new, v_new, cache8, meta, ref, expected = _fp8_step(dtype, MIXED_BATCH, block_size, 11)
+    q, k_new, v_new, cache8, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, block_size, 11)
     scale = 64 ** -0.5
     rows = rows_reading_the_cache(MIXED_BATCH, meta)
     for use_kernel in (True, False):
@@ -85,7 +86,7 @@ def test_triton_reads_fp8(dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
     from engine.layers.triton_attention import triton_paged_attention
 
-    q, _, _, cache8, meta, ref, expected = _fp8_step(dtype, MIXED_BATCH, 16, 12)
+    q, _, _, cache8, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, 16, 12)
     out = triton_paged_attention(q, cache8, LAYER, meta, 64 ** -0.5)
     # Triton reads every key from the cache, a fresh prefill's too: the rounded reference everywhere.
     assert (out - ref).abs().max().item() < 1e-4

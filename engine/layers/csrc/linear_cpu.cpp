@@ -323,6 +323,15 @@ void store_as(const float* src, char* dst, int64_t n) {
   }
 }
 
+void store_row(at::ScalarType ct, const float* src, char* dst, int64_t n) {
+  switch (ct) {
+    case at::kBFloat16: return store_as<c10::BFloat16>(src, dst, n);
+    case at::kFloat8_e4m3fn: return store_as<c10::Float8_e4m3fn>(src, dst, n);
+    case at::kFloat8_e5m2: return store_as<c10::Float8_e5m2>(src, dst, n);
+    default: std::memcpy(dst, src, n * sizeof(float));  // float32 (checked by the caller)
+  }
+}
+
 // The attention block's input side for T new tokens: rotate q and k (rotate-half
 // rope with cos/sin [T, D/2]), store k and v in the paged cache at
 // slot_mapping[t]; return the rotated q [T, Hq, D] and k [T, Hkv, D] (float32).
@@ -384,20 +393,8 @@ std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, cons
       const float* v = k + num_kv_heads * D;
       float* kr = kp + t * num_kv_heads * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * D, c, s, kr + h * D);
-      const int64_t n = num_kv_heads * D;
-      if (ct == at::kFloat) {
-        std::memcpy(kdst, kr, n * sizeof(float));
-        std::memcpy(vdst, v, n * sizeof(float));
-      } else if (ct == at::kBFloat16) {
-        store_as<c10::BFloat16>(kr, kdst, n);
-        store_as<c10::BFloat16>(v, vdst, n);
-      } else if (ct == at::kFloat8_e4m3fn) {
-        store_as<c10::Float8_e4m3fn>(kr, kdst, n);
-        store_as<c10::Float8_e4m3fn>(v, vdst, n);
-      } else {
-        store_as<c10::Float8_e5m2>(kr, kdst, n);
-        store_as<c10::Float8_e5m2>(v, vdst, n);
-      }
+      store_row(ct, kr, kdst, num_kv_heads * D);
+      store_row(ct, v, vdst, num_kv_heads * D);
     }
   });
   return {q, k_out};

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -207,17 +208,23 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
                                   : nullptr;
     const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
     // Scores for every query head and position of the block.
-    if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
+    // The block's rows of a KV head as floats (and their stride): float32 rows
+    // where they are, others widened into kv_f first, all heads at once.
+    auto widen = [&](const scalar_t* rows) {
       if constexpr (!std::is_same_v<scalar_t, float>)
         for (int64_t i = 0; i < n; ++i)
-          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(rows + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+    };
+    auto head_rows = [&](const scalar_t* rows, int64_t hk) -> std::pair<const float*, int64_t> {
+      if constexpr (std::is_same_v<scalar_t, float>) return {rows + hk * s_head, s_tok};
+      else return {kv_f + hk * D, Hkv * D};
+    };
+    if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
+      widen(kb);
       for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t hk = h / G;
         if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
-        if constexpr (std::is_same_v<scalar_t, float>)
-          dot_rows<D_>(qf + h * D, kb + hk * s_head, s_tok, n, scores + h * bs);
-        else
-          dot_rows<D_>(qf + h * D, kv_f + hk * D, Hkv * D, n, scores + h * bs);
+        const auto [krows, kstride] = head_rows(kb, h / G);
+        dot_rows<D_>(qf + h * D, krows, kstride, n, scores + h * bs);
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
@@ -258,22 +265,11 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       // (added to in memory, position by position, it was a store and a load
       // per 16 values and position: the kernel's largest cost); the same
       // additions in the same order, so the same bits.
-      if constexpr (!std::is_same_v<scalar_t, float>)
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+      widen(vb);
       for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t hk = h / G;
         if (next != nullptr)
           prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, h, Hq);
-        const float* vrows;
-        int64_t vstride;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          vrows = vb + hk * s_head;
-          vstride = s_tok;
-        } else {
-          vrows = kv_f + hk * D;
-          vstride = Hkv * D;
-        }
+        const auto [vrows, vstride] = head_rows(vb, h / G);
         add_weighted_rows<D_>(out.acc + h * D, scores + h * bs, vrows, vstride, n);
       }
     } else {
