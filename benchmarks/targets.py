@@ -116,12 +116,13 @@ class Server:
         self.stop()
 
 
-def splitserve_up(prefill: int, decode: int, log: Path, dtype: str = "auto", kv: str = "auto") -> Server:
+def splitserve_up(prefill: int, decode: int, log: Path, dtype: str = "auto", kv: str = "auto",
+                  prompts: str = "auto") -> Server:
     argv = [sys.executable, "-m", "services.cli", "up", "--prefill", str(prefill), "--decode", str(decode),
-            "--dtype", dtype, "--kv-cache-dtype", kv, "--port", str(free_port()),
+            "--dtype", dtype, "--kv-cache-dtype", kv, "--prefill-dtype", prompts, "--port", str(free_port()),
             "--grpc-port", str(free_port())]
     label = (f"splitserve {prefill}p+{decode}d" + ("" if dtype == "auto" else f" {dtype}")
-             + ("" if kv == "auto" else f" kv {kv}"))
+             + ("" if kv == "auto" else f" kv {kv}") + ("" if prompts == "auto" else f" prefill {prompts}"))
     return Server(label, argv, log=log)
 
 
@@ -236,6 +237,9 @@ def matmul_peak(threads: int) -> dict[str, float]:
     if kernel is not None:
         panels = kernel.pack_weight(w)
         runs["float32 packed kernel"] = lambda: kernel.packed_linear(x, panels, n)
+        if kernel.bf16_supported():  # the prompts' kernel under --prefill-dtype bfloat16
+            bf = kernel.pack_bf16(w)
+            runs["bfloat16 packed kernel"] = lambda: kernel.bf16_linear(x, bf, n)
     best: dict[str, float] = {}
     for name, f in runs.items():
         f()
@@ -310,6 +314,9 @@ def main() -> int:
     p.add_argument("--only", default="1,2,3,4,5", help="targets to measure")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="splitserve's KV cache dtype (auto: the model's; bfloat16 halves a float32 model's)")
+    p.add_argument("--prefill-dtype", default="auto",
+                   help="splitserve's prefill dtype (bfloat16: a float32 model's prompt tokens through "
+                        "bfloat16 projections; prefill is then held to the bfloat16 peak)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     p.add_argument("--out", default=None, help="directory for logs and runs.jsonl")
     args = p.parse_args()
@@ -329,10 +336,12 @@ def main() -> int:
     peak_before = matmul_peak(threads) if only & {3, 4} else {}
     params, layers, qdim = model_shape()
     ours: dict[str, str] = {}  # label -> dtype it serves
+    prompts_in: dict[str, str] = {}  # label -> dtype its prompts compute in
     disagg_label = ""
 
     if only & {1, 5}:
-        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype) as disagg:
+        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype,
+                           prompts=args.prefill_dtype) as disagg:
             disagg_label = disagg.label
             if 5 in only:
                 ok = disagg.start_s <= 10
@@ -345,8 +354,11 @@ def main() -> int:
     for dtype in ("float32", "bfloat16") if native else ("float32",):
         if not only & {1, 2, 3, 4}:
             break
-        with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype) as coloc:
+        with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype,
+                           args.prefill_dtype) as coloc:
             ours[coloc.label] = served_dtype(dtype)
+            prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
+                                       else ours[coloc.label])
             for t, w in ((1, "mixed"), (2, "single"), (3, "batch32")):
                 if t in only:
                     r.bench(coloc, w)
@@ -384,7 +396,7 @@ def main() -> int:
                       + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s (before {peak_before[k] / 1e9:.1f}, after "
                                   f"{peak_after.get(k, 0.0) / 1e9:.1f})" for k, v in peak.items()))
     if 4 in only:
-        for label, dtype in ours.items():
+        for label, dtype in prompts_in.items():
             pf = done[f"{label} / prefill"]
             name, best = dtype_peak(peak, dtype)
             rate = pf["flops"]

@@ -59,11 +59,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(hf_cfg, model_dir, self.text_tokenizer)
         # Block hashes: blocks of other weights, dtypes or KV dtypes never match.
         self.cache_model_key = cache_model_key(self.model_id, _dtype_name(self.runner.dtype),
-                                               _dtype_name(self.runner.kv_dtype))
+                                               _dtype_name(self.runner.kv_dtype), self.runner.prefill_dtype)
         # What this engine's blocks are, built once (docs/ARCHITECTURE.md, invariant 7): the
         # cache tensor's own shape and dtype (fp8 or the model's) and the compute dtype.
         # The UCX handshake, Info, registrations and every handoff carry it.
-        self.kv_layout = KVLayout.from_cache(self.runner.kv_cache, self.model_id, self.runner.dtype)
+        self.kv_layout = KVLayout.from_cache(self.runner.kv_cache, self.model_id, self.runner.dtype,
+                                             self.runner.prefill_dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)

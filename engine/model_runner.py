@@ -22,6 +22,7 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.layers.cpu_features import amx_bf16, fast_bf16
 from engine.layers.kv_quant import resolve_kv_dtype
+from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.int4 import Int4Weight
@@ -207,6 +208,10 @@ class ModelRunner:
         self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
                                     s.head_dim), self.kv_dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
+        # prefill_dtype=bfloat16: the prompt rows of each step, set around its forward.
+        self.prompt_rows: PromptRows | None = None
+        if model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16:
+            self.prompt_rows = self._bf16_prompts()
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         self.lora: LoRAManager | None = None  # set by enable_lora
         if self.device.type == "cpu":
@@ -214,6 +219,21 @@ class ModelRunner:
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB, %s)", model_dir.name, self.num_blocks,
                  self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
                  str(self.kv_dtype).removeprefix("torch."))
+
+    @property
+    def prefill_dtype(self) -> str:
+        """What prompt tokens compute in, if not the model's dtype: "bfloat16" or ""."""
+        return "bfloat16" if self.prompt_rows is not None else ""
+
+    def _bf16_prompts(self) -> PromptRows:
+        kernel = load_linear_kernel() if self.device.type == "cpu" else None
+        if self.dtype != torch.float32 or kernel is None or not kernel.bf16_supported():
+            raise ValueError("prefill_dtype: bfloat16 needs a float32 model on a CPU with AVX512-BF16 "
+                             f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
+                             f"{self.device.type}, CPU kernels {'built' if kernel else 'unavailable'})")
+        if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
+            raise ValueError("prefill_dtype: bfloat16 needs the packed CPU projections")
+        return self.model.enable_bf16_prompts()
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRAManager:
         self.lora = LoRAManager(self.model, max_loras, max_rank)
@@ -264,11 +284,17 @@ class ModelRunner:
         per sequence that wants them, the logprobs of the prompt tokens this
         chunk predicts (the next ones its request lacks)."""
         input_ids, positions, meta = self.prepare(seqs)
-        if self.lora is None:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
-        else:
-            with self.lora.apply([(s.request.lora, s.num_new_tokens) for s in seqs]):
+        if self.prompt_rows is not None:
+            self.prompt_rows.runs = row_runs((s.num_new_tokens, prompt_tokens(s)) for s in seqs)
+        try:
+            if self.lora is None:
                 hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
+            else:
+                with self.lora.apply([(s.request.lora, s.num_new_tokens) for s in seqs]):
+                    hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)
+        finally:
+            if self.prompt_rows is not None:
+                self.prompt_rows.runs = ()
         rows: list[int] = []
         prompt: dict[str, list[TokenStats]] = {}
         end = 0
@@ -355,6 +381,12 @@ def prompt_logprob_positions(seq: ScheduledSeq) -> range:
     if seq.start > len(req.prompt_logprobs):  # a gap: prefix hits are refused for such requests
         return range(0)
     return range(lo, max(lo, hi))
+
+
+def prompt_tokens(seq: ScheduledSeq) -> int:
+    """How many of a scheduled chunk's rows (which lead) are prompt tokens."""
+    known = seq.num_new_tokens - len(seq.spec_token_ids)
+    return max(0, min(known, seq.request.num_prompt_tokens - seq.start))
 
 
 def _first(bitmask: torch.Tensor | None) -> torch.Tensor | None:

@@ -25,6 +25,8 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # What prompt tokens computed in, if not `dtype`: "bfloat16" (prefill_dtype), or "".
+    prefill_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -37,6 +39,8 @@ class KVLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.prefill_dtype not in ("", "bfloat16"):
+            raise ValueError(f"KVLayout.prefill_dtype must be '' or 'bfloat16', got {self.prefill_dtype!r}")
 
     @property
     def itemsize(self) -> int:
@@ -50,7 +54,8 @@ class KVLayout:
                 * self.itemsize)
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model_id: str, dtype: torch.dtype | str) -> KVLayout:
+    def from_cache(cls, kv_cache: torch.Tensor, model_id: str, dtype: torch.dtype | str,
+                   prefill_dtype: str = "") -> KVLayout:
         """dtype: the model's compute dtype (the cache's own may be fp8)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError("kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
@@ -59,15 +64,17 @@ class KVLayout:
         return cls(model_id=model_id, dtype=str(dtype).removeprefix("torch."),
                    kv_cache_dtype=str(kv_cache.dtype).removeprefix("torch."),
                    block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim)
+                   head_dim=head_dim, prefill_dtype=prefill_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing, unknown = names - data.keys(), data.keys() - names
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        missing, unknown = required - data.keys(), data.keys() - names
         if missing or unknown:
             raise ValueError(f"KVLayout: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
         return cls(**data)
@@ -81,7 +88,7 @@ class LayoutMismatch(ValueError):
         detail = "; ".join(f"{name}: local {local!r} vs remote {remote!r}"
                            for name, (local, remote) in self.differences.items())
         super().__init__(f"KV layout mismatch ({detail}): prefill and decode workers must serve "
-                         "the same model with the same KV dtype and block size")
+                         "the same model with the same KV dtype, prefill dtype and block size")
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:

@@ -68,7 +68,7 @@ class KVTransport:
         (the services feed histograms with it)."""
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous: each block is sent as one region")
-        actual = KVLayout.from_cache(kv_cache, layout.model_id, layout.dtype)
+        actual = KVLayout.from_cache(kv_cache, layout.model_id, layout.dtype, layout.prefill_dtype)
         if actual != layout:
             raise ValueError(f"layout {layout} does not describe kv_cache ({actual})")
         if max_inflight_bytes < 1 or timeout_s <= 0:

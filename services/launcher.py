@@ -43,8 +43,8 @@ from services.worker_flags import (
 )
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "kv_cache_dtype",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "seed",
-                "num_blocks")
+                "prefill_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "scheduling_policy", "seed", "num_blocks")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

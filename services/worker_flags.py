@@ -14,6 +14,7 @@ from typing import Any
 from engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
+    PREFILL_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -50,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model's dtype); bfloat16, half a float32 model's "
                         "cache; or fp8, half a bfloat16 cache (twice the blocks, half the bytes sent to "
                         "decode and read each step); prefill and decode must agree")
+    g.add_argument("--prefill-dtype", default=ModelConfig.prefill_dtype, choices=PREFILL_DTYPES,
+                   help="auto: prompts in --dtype; bfloat16: a float32 model's prompt tokens through "
+                        "bfloat16 projections (CPUs with AVX512-BF16; about twice as fast), generated "
+                        "tokens stay exact; prefill and decode must agree")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
@@ -67,7 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `LLM(...)` / `engine_config(...)` keywords."""
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-                max_model_len=args.max_model_len,
+                prefill_dtype=args.prefill_dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=not args.no_prefix_caching,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
-from engine.layers.packed_linear import PackedLinear, q4_blocks
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks
 from engine.models.int4 import Int4Weight, exact_blocks, pack_blocks
 from engine.models.spec import LlamaSpec
 
@@ -246,6 +246,17 @@ class LlamaForCausalLM(nn.Module):
         self.fused = kernel
         for layer in self.layers:
             cast(LlamaLayer, layer).fused = kernel
+
+    def enable_bf16_prompts(self) -> PromptRows:
+        """prefill_dtype=bfloat16: every layer's projections (not the head)
+        also hold bfloat16 panels and run the rows the returned PromptRows
+        names, set per step, on them."""
+        rows = PromptRows()
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if path != "lm_head" and isinstance(layer, PackedLinear):
+                layer.enable_bf16(rows)
+        return rows
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -17,12 +17,14 @@ BlockHash = bytes  # 16 bytes of BLAKE2b
 ROOT_HASH: BlockHash = hashlib.blake2b(b"splitserve/block-hash/v1", digest_size=16).digest()
 
 
-def cache_model_key(model_id: str, dtype: str, kv_cache_dtype: str) -> str:
+def cache_model_key(model_id: str, dtype: str, kv_cache_dtype: str, prefill_dtype: str = "") -> str:
     """The model part of a block's extra keys.  model_id carries a digest of the
     weights (loader.model_id); the compute and KV dtypes make blocks of one model
     computed in float32 and bfloat16, or stored as fp8 and not, never share a
-    hash, so no prefix-cache hit or route mixes them across workers."""
-    return f"{model_id}|{dtype}|{kv_cache_dtype}"
+    hash, so no prefix-cache hit or route mixes them across workers; nor do
+    blocks whose prompt tokens ran in bfloat16 (prefill_dtype) and those that did not."""
+    key = f"{model_id}|{dtype}|{kv_cache_dtype}"
+    return f"{key}|prefill-{prefill_dtype}" if prefill_dtype else key
 
 
 def extra_keys(model_id: str, cache_salt: str | None = None, lora_id: str | None = None) -> bytes:

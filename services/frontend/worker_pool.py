@@ -86,7 +86,7 @@ class Worker:
         lay = self.info.layout if self.info is not None else None
         if lay is None or lay.block_size <= 0:
             return None
-        return cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype)
+        return cache_model_key(lay.model_id, lay.dtype, lay.kv_cache_dtype, lay.prefill_dtype)
 
     def mark_down(self) -> None:
         """A call failed in a way that says the worker is gone; the watch loop

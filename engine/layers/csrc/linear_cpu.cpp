@@ -92,7 +92,26 @@ struct Panels {
   const uint8_t* base;
   int64_t panel_bytes;
   bool block_sums = false;  // the kernel wants sums of x per block (q4)
+  bool bf16_pairs = false;  // the kernel wants x as bfloat16 pairs (bf16 panels)
 };
+
+// A float32's bfloat16 bits, rounded to nearest even, NaN quieted: torch's
+// conversion (integer arithmetic only, so -ffast-math cannot change it).
+inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Rows of x [rows, K] -> bfloat16 pairs (x[2 kp] low, x[2 kp + 1] high), as
+// the bf16 kernel reads them: in tiles of BF_TILE_ROWS rows, row r's pair kp
+// at [kp * BF_TILE_ROWS + r] (rows past the tile's end stay as they are).
+void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kp = 0; kp < K / 2; ++kp)
+      tile[kp * BF_TILE_ROWS + r] = bf16_bits(x[r * K + 2 * kp]) | (bf16_bits(x[r * K + 2 * kp + 1]) << 16);
+}
 
 // s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row
 // and block: fast-math off here, so the sums come out the same everywhere.
@@ -108,7 +127,7 @@ __attribute__((optimize("no-fast-math"))) void block_sums(const float* x, int64_
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
   TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
@@ -116,7 +135,15 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = at::empty({M, N}, x2.options());
+  at::Tensor y;
+  if (out.has_value() && out->defined()) {  // rows of a bigger output (a step's rows split between paths)
+    y = *out;
+    TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == M && y.size(1) == N &&
+                    y.stride(1) == 1 && y.stride(0) == N,
+                name, ": out must be a contiguous [", M, ", ", N, "] float32 tensor");
+  } else {
+    y = at::empty({M, N}, x2.options());
+  }
   if (M == 0) return y.view(sizes);
   const float* bp = nullptr;
   at::Tensor bc;
@@ -126,6 +153,25 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     bp = bc.data_ptr<float>();
   }
   const float* xp = x2.data_ptr<float>();
+  int64_t ldx = K;
+  at::Tensor pairs;
+  if (w.bf16_pairs) {
+    // The kernel reads uint32 pairs through the same pointer (4 bytes each):
+    // tile t of BF_TILE_ROWS rows at t * BF_TILE_ROWS * K / 2, so row m of a
+    // tile's start is at m * K / 2, as for a row-major x of K / 2 a row.
+    TORCH_CHECK(K % 2 == 0, name, ": K must be even");
+    static_assert(M_CHUNK % BF_TILE_ROWS == 0, "row chunks start on a tile");
+    const int64_t tiles = (M + BF_TILE_ROWS - 1) / BF_TILE_ROWS;
+    pairs = at::zeros({tiles * BF_TILE_ROWS, K / 2}, x2.options().dtype(at::kInt));
+    uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
+    parallel_claim(tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        bf16_tile_pairs(xp + t * BF_TILE_ROWS * K, std::min(BF_TILE_ROWS, M - t * BF_TILE_ROWS), K,
+                        pp + t * BF_TILE_ROWS * (K / 2));
+    });
+    xp = reinterpret_cast<const float*>(pp);
+    ldx = K / 2;
+  }
   float* yp = y.data_ptr<float>();
   // The factored q4 format wants each row's sum of x per block of 32 inputs,
   // added in order (one fixed order for every row count and instruction set).
@@ -145,7 +191,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // time: past one row tile (MR rows) the kernel decodes a pair once and reads
   // it together in every tile (AVX-512; one panel at a time elsewhere); up to
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
-  const int64_t G = M <= 4 ? 4 : (w.block_sums ? 2 : 1), groups = (P + G - 1) / G;
+  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs ? 2 : 1), groups = (P + G - 1) / G;
   // About 16 claims per thread: small enough to even out a preempted thread,
   // large enough that claiming costs nothing.
   const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
@@ -154,7 +200,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
       const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
       const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
       const int64_t col0 = p * NR, cols = std::min(np * NR, N - col0);
-      w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * K, K, xsp ? xsp + m0 * KB : nullptr, KB,
+      w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
                rows, bp, col0, cols, yp + m0 * N, N);
     }
   });
@@ -182,12 +228,12 @@ at::Tensor pack_weight(const at::Tensor& w) {
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(panels.scalar_type() == at::kFloat, "packed_linear: float32 only");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR, "packed_linear: panels must be [P, K, 16]");
   const int64_t K = panels.size(1);
   const Panels w{isa().f32, reinterpret_cast<const uint8_t*>(panels.data_ptr<float>()), K * NR * 4};
-  return run_linear("packed_linear", x, w, panels.size(0), K, N, bias);
+  return run_linear("packed_linear", x, w, panels.size(0), K, N, bias, out);
 }
 
 // The weights a q4 panel set stands for, [N, K] float32, rebuilt as the kernel
@@ -215,12 +261,13 @@ at::Tensor q4_unpack(const at::Tensor& blocks, int64_t N) {
   return w.narrow(0, 0, N);
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
               "q4_linear: blocks must be uint8 [P, K/32, 384]");
   const int64_t K = blocks.size(1) * QB;
   const Panels w{isa().q4, blocks.data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, true};
-  return run_linear("q4_linear", x, w, blocks.size(0), K, N, bias);
+  return run_linear("q4_linear", x, w, blocks.size(0), K, N, bias, out);
 }
 
 // The weights q8 blocks stand for, [N, K] float32 (for checking a packing).
@@ -242,12 +289,45 @@ at::Tensor q8_unpack(const at::Tensor& blocks, int64_t N) {
   return w.narrow(0, 0, N);
 }
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES,
               "q8_linear: blocks must be uint8 [P, K/32, 576]");
   const int64_t K = blocks.size(1) * QB;
   const Panels w{isa().q8, blocks.data_ptr<uint8_t>(), (K / QB) * Q8_BLOCK_BYTES};
-  return run_linear("q8_linear", x, w, blocks.size(0), K, N, bias);
+  return run_linear("q8_linear", x, w, blocks.size(0), K, N, bias, out);
+}
+
+// ---- bfloat16 panels (AVX512-BF16): prompts' rows under prefill_dtype=bfloat16 ----
+
+bool bf16_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return isa_supported("avx512") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// w [N, K] float32 -> bfloat16 panels [P, K/2, 16, 2] (rounded to nearest even; columns past N zero).
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(1) % 2 == 0,
+              "pack_bf16: want a 2-D float32 weight with an even number of inputs");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
+  auto padded = at::zeros({P * NR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.to(at::kBFloat16).view({P, NR, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(bf16_supported(), "bf16_linear: this CPU lacks AVX512-BF16");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.size(2) == NR &&
+                  panels.size(3) == 2 && panels.is_contiguous(),
+              "bf16_linear: panels must be bfloat16 [P, K/2, 16, 2]");
+  const int64_t K = panels.size(1) * 2;
+  const Panels w{kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, true};
+  return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
 }
 
 std::string isa_name() { return isa().name; }
@@ -423,14 +503,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "run the kernels on their own thread pool (only where OpenMP's idle threads sleep)");
   m.def("pack_weight", &pack_weight, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
   m.def("packed_linear", &packed_linear, nogil(), "x @ W.T (+ bias) with a packed weight",
-        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("q4_linear", &q4_linear, nogil(),
         "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("q4_unpack", &q4_unpack, "the float32 weights q4 blocks stand for");
   m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("q8_unpack", &q8_unpack, "the float32 weights q8 blocks stand for");
+  m.def("bf16_supported", &bf16_supported, "whether this CPU runs bf16_linear (AVX512-BF16)");
+  m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
+  m.def("bf16_linear", &bf16_linear, nogil(),
+        "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU runs");

@@ -274,6 +274,48 @@ struct Q8 {
   }
 };
 
+#if defined(SPLITSERVE_ISA_BF16)
+// bfloat16 panels (AVX512-BF16), for the rows of prompts under
+// prefill_dtype=bfloat16: per pair of inputs (k, k + 1), the panel's 16
+// columns as (w[k] low, w[k + 1] high) bfloat16 pairs, 64 bytes.  x arrives
+// as pairs the same way, in tiles of BF_TILE_ROWS rows: pair kp of the tile's
+// row r at [kp * BF_TILE_ROWS + r] (linear_cpu.cpp packs them), so one
+// pointer reaches every row.  One vdpbf16ps adds both products of a pair to
+// each column's float32 sum, pairs in k order: one fixed order for every row
+// count (batch invariance), not the float32 kernels' bits.  12 rows x 2
+// panels: 24 accumulators and the 2 panels' vectors; x is broadcast from
+// memory inside the instruction (written out: the compiler otherwise keeps
+// 12 broadcasts in registers and spills accumulators).
+constexpr int NP_BF = 2;
+constexpr int64_t BF_PAIR_BYTES = NR * 4;  // 16 columns x 2 bfloat16
+static_assert(BF_TILE_ROWS == MR, "a tile of x is one row tile of the kernel");
+inline __m512 dot_pair(__m512 acc, __m512i w, const uint32_t* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+struct BF16 {
+  static constexpr int NP_MAX = NP_BF;
+  // x: a tile of pairs as above, R <= BF_TILE_ROWS of its rows used.
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t, const float*, int64_t,
+                  float* tile, const uint8_t*) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+    __m512 a[NP][R];
+    for (int n = 0; n < NP; ++n)
+      for (int r = 0; r < R; ++r) a[n][r] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      __m512i w[NP];
+      for (int n = 0; n < NP; ++n) w[n] = _mm512_loadu_si512(p + n * pbytes + kp * BF_PAIR_BYTES);
+      for (int r = 0; r < R; ++r)
+        for (int n = 0; n < NP; ++n) a[n][r] = dot_pair(a[n][r], w[n], xp + kp * BF_TILE_ROWS + r);
+    }
+    for (int n = 0; n < NP; ++n)
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, a[n][r]);
+  }
+};
+#endif
+
 template <typename Format, int R, int NP>
 inline void run_rows(const uint8_t* panel, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
                      int64_t ldxs, int64_t rows, float* tile, const uint8_t* ahead = nullptr) {
@@ -309,6 +351,24 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   // five of 6 and one of 2, whose few accumulators leave the FMA units idle).
   // A row's sums never depend on the tile it is in.
   const int64_t tiles = (rows + MR - 1) / MR;
+#if defined(SPLITSERVE_ISA_BF16)
+  if constexpr (std::is_same_v<Format, BF16>) {  // 2 panels at a time; x's tiles of MR rows, ldx pairs a row
+    for (; n < np; n += NP_BF) {
+      const int64_t pn = min64(NP_BF, np - n);
+      for (int64_t m = 0; m < rows; m += MR) {
+        const int64_t r = min64(MR, rows - m);
+        if (pn == NP_BF)
+          run_rows<BF16, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+        else
+          run_rows<BF16, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+        for (int64_t j = 0; j < pn; ++j)
+          store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy,
+                     ldy);
+      }
+    }
+    return;
+  }
+#endif
   if (rows <= MR_WIDE) {  // few rows: several panels at a time
     for (; n + NPW <= np; n += NPW) {
       run_rows<Format, MR_WIDE, NPW>(p + n * pbytes, pbytes, K, x, ldx, xs, ldxs, rows, tile);
@@ -408,7 +468,11 @@ SILU_MATH void silu_mul_rows(const float* gate_up, int64_t I, int64_t rows, floa
 
 }  // namespace
 
+#if defined(SPLITSERVE_ISA_BF16)
+extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
+#else
 extern const IsaKernels SPLITSERVE_ISA_TABLE = {
     SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows};
+#endif
 
 }  // namespace splitserve_linear

@@ -42,5 +42,10 @@ struct IsaKernels {
 extern const IsaKernels kScalarKernels;
 extern const IsaKernels kAvx2Kernels;
 extern const IsaKernels kAvx512Kernels;
+// bfloat16 panels [P, K/2, 16, 2] times rows of bfloat16 pairs (x as uint32
+// pairs in tiles of BF_TILE_ROWS rows, pair-major: see linear_isa.h), float32
+// sums: AVX512-BF16 only (bf16_supported()).
+constexpr int64_t BF_TILE_ROWS = 12;
+extern const RowsTimesPanels kBf16Rows;
 
 }  // namespace splitserve_linear

@@ -1,0 +1,134 @@
+"""The bfloat16 linear kernel (prefill_dtype=bfloat16, AVX512-BF16) and the
+split of a step's rows between it and the exact path (PackedLinear)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
+from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
+from tests.unit.test_linear_isa import q4_weight
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    if not k.bf16_supported():
+        pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which bf16_linear needs")
+    return k
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x and w rounded to bfloat16 (nearest even), products summed in float64."""
+    y = x.bfloat16().double() @ w.bfloat16().double().T
+    return y if b is None else y + b.double()
+
+
+# Rows around the 12-row tile and the 192-row chunk; columns that are and are
+# not whole panels and pairs of panels; inputs that are even but not a multiple of 32.
+@pytest.mark.parametrize("m", [1, 4, 5, 11, 12, 13, 25, 191, 192, 193, 400])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 33), (96, 200), (22, 7), (576, 48)])
+def test_bf16_linear_is_the_bfloat16_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k_in, generator=gen), torch.randn(n, k_in, generator=gen)
+    b = torch.randn(n, generator=gen)
+    panels = kernel.pack_bf16(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, k_in // 2, 16, 2)
+    # float32 sums of exact products: within a few float32 roundings of the float64 sum
+    tol = 1e-5 * (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T) + 1e-6
+    for bias in (None, b):
+        y = kernel.bf16_linear(x, panels, n, bias)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert ((y.double() - reference(x, w, bias)).abs() <= tol).all()
+
+
+def test_pack_bf16_holds_the_rounded_weight(kernel) -> None:  # type: ignore[no-untyped-def]
+    w = torch.randn(37, 64)
+    w[0, :4] = torch.tensor([1.00390625, 1.01171875, -3e38, 1e-40])  # ties to even, large, subnormal
+    panels = kernel.pack_bf16(w)
+    unpacked = panels.permute(0, 2, 1, 3).reshape(-1, 64)[:37]
+    assert torch.equal(unpacked.view(torch.int16), w.bfloat16().view(torch.int16))
+    assert not panels.permute(0, 2, 1, 3).reshape(-1, 64)[37:].float().any()  # the padding is zero
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Each output is one sum over the pairs in order, whatever the rows around it
+    (the tile it falls in, the chunk, the thread): prompt rows keep batch invariance."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(230, 576, generator=gen), torch.randn(100, 576, generator=gen)
+    panels = kernel.pack_bf16(w)
+    whole = kernel.bf16_linear(x, panels, 100)
+    for lo, hi in ((0, 1), (5, 6), (11, 14), (100, 137), (191, 230), (17, 29)):
+        assert torch.equal(kernel.bf16_linear(x[lo:hi], panels, 100), whole[lo:hi])
+
+
+def test_out_writes_only_its_rows(kernel) -> None:  # type: ignore[no-untyped-def]
+    x, w = torch.randn(9, 64), torch.randn(20, 64)
+    panels, y = kernel.pack_bf16(w), torch.full((12, 20), 7.0)
+    got = kernel.bf16_linear(x, panels, 20, out=y[2:11])
+    assert got.data_ptr() == y[2:11].data_ptr()
+    assert torch.equal(y[2:11], kernel.bf16_linear(x, panels, 20))
+    assert (y[:2] == 7).all() and (y[11:] == 7).all()
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        kernel.bf16_linear(x, panels, 20, out=torch.empty(9, 21))
+    with pytest.raises(RuntimeError, match="panels must be bfloat16"):
+        kernel.bf16_linear(x, panels.float(), 20)
+
+
+def test_nan_and_inf_inputs_come_out_nan_and_inf(kernel) -> None:  # type: ignore[no-untyped-def]
+    w = torch.ones(16, 32)
+    x = torch.zeros(3, 32)
+    x[0, 3], x[1, 4] = float("nan"), float("inf")
+    y = kernel.bf16_linear(x, kernel.pack_bf16(w), 16)
+    assert y[0].isnan().all() and (y[1] == float("inf")).all() and (y[2] == 0).all()
+
+
+def test_row_runs() -> None:
+    assert row_runs([]) == ()
+    assert row_runs([(1, 0), (1, 0)]) == ()  # decodes only: no split
+    assert row_runs([(1, 0), (1, 0), (40, 40)]) == ((0, 2, False), (2, 42, True))
+    # a recompute after a preemption: its prompt, then its output tokens again
+    runs = ((0, 1, False), (1, 21, True), (21, 31, False), (31, 39, True))
+    assert row_runs([(1, 0), (30, 20), (8, 8)]) == runs
+    assert row_runs([(5, 5), (3, 3)]) == ((0, 8, True),)
+
+
+def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Prompt rows through bfloat16 panels, the rest exact: each row equals what its
+    path alone gives it."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(96, 50)
+    with torch.no_grad():
+        lin.weight.copy_(q4_weight(50, 96, gen))
+    layer = PackedLinear(lin, kernel)
+    assert layer.q4 is not None
+    rows = PromptRows()
+    layer.enable_bf16(rows)
+    x = torch.randn(40, 96, generator=gen)
+    exact = layer.forward(x)  # no runs: every row exact
+    bf = kernel.bf16_linear(x, layer.bf16, 50, layer.bias)
+    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
+    mixed = layer.forward(x)
+    for lo, hi, prompt in rows.runs:
+        assert torch.equal(mixed[lo:hi], (bf if prompt else exact)[lo:hi])
+    assert not torch.equal(bf[2:14], exact[2:14])  # the paths do differ
+    rows.runs = ((0, 40, True),)
+    assert torch.equal(layer.forward(x), bf)
+
+
+def test_the_flag_and_the_layout() -> None:
+    with pytest.raises(ValueError, match="prefill_dtype"):
+        ModelConfig(prefill_dtype="float16")
+    base = dict(model_id="m", dtype="float32", kv_cache_dtype="float32", block_size=16, num_layers=2,
+                num_kv_heads=1, head_dim=64)
+    plain, bf = KVLayout(**base), KVLayout(**base, prefill_dtype="bfloat16")
+    assert KVLayout.from_dict(base) == plain  # a peer that does not name it computed prompts in its dtype
+    with pytest.raises(LayoutMismatch, match="prefill_dtype"):
+        check_compatible(plain, bf)
+    with pytest.raises(ValueError, match="prefill_dtype"):
+        KVLayout(**base, prefill_dtype="float16")
