@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the stack on this machine")
     add_engine_args(up)
     add_up_args(up)
-    up.set_defaults(fn=cmd_up)
+    # Unless given, each worker takes its role's own step size (a prefill worker's is smaller).
+    up.set_defaults(fn=cmd_up, max_num_batched_tokens=None)
     for role in SERVICES:
         sub.add_parser(role, help=f"run one {role} service (see `splitserve {role} --help`)",
                        add_help=False)

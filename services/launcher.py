@@ -211,7 +211,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --max-restarts")
     g.add_argument("--cpu-affinity", default="auto",
                    help="pin workers to cores: auto (each worker its own cores when there are enough; "
-                        "1 prefill + 1 decode on 2 cores: cpu 0 and cpu 1), off, or e.g. "
+                        "under 2 a worker, decode workers share the prefill cores: 1 prefill + 1 decode "
+                        "on 2 cores: cpu 0, and cpus 0-1), off, or e.g. "
                         "'prefill=0-3;decode=4-15' (split among each role's workers)")
     add_cluster_token_arg(g)
     add_speculative_args(p)

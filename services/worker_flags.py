@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 64
+# A prefill worker's steps hold prompts only, and each prompt's first token
+# waits for its whole step: smaller steps than an engine's default (2048)
+# finish the first prompts sooner at the same rate (Zen 5, split, mixed
+# workload: TTFT p50 1.0-1.6 s against 3.7-4.1 s, 250-285 tok/s against 235-251).
+PREFILL_WORKER_MAX_NUM_BATCHED_TOKENS = 512
 KV_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -60,7 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                    help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="most tokens in one engine step (longer prompts are prefilled in chunks)")
+                   help="most tokens in one engine step (longer prompts are prefilled in chunks); "
+                        f"default {SchedulerConfig.max_num_batched_tokens}, a prefill worker's "
+                        f"{PREFILL_WORKER_MAX_NUM_BATCHED_TOKENS}")
     g.add_argument("--scheduling-policy", default=SchedulerConfig.policy, choices=["fcfs", "priority"],
                    help="fcfs: first come first served; priority: lower `priority` first, preempting")
     g.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt blocks")
@@ -102,6 +109,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--ready-file", default=None, help="write 'grpc_address' here once serving")
     if role == "decode":
         add_speculative_args(p)
+    else:
+        p.set_defaults(max_num_batched_tokens=PREFILL_WORKER_MAX_NUM_BATCHED_TOKENS)
     g.add_argument("--advertise-host", default=None,
                    help="the host others reach this worker at (gRPC and UCX); default: --host, or this "
                         "machine's address when --host is 0.0.0.0 (containers)")

@@ -28,14 +28,16 @@ def test_split_evenly() -> None:
 
 
 def test_auto_plan() -> None:
-    # the small machine: one core each, the frontend unpinned
-    assert plan_affinity("auto", 1, 1, [0, 1]) == {"prefill-0": [0], "decode-0": [1]}
+    # the small machine: the prefill worker one core, the decode worker both (under 2
+    # cores a worker, it shares the prefill cores); the frontend unpinned
+    assert plan_affinity("auto", 1, 1, [0, 1]) == {"prefill-0": [0], "decode-0": [0, 1]}
+    assert plan_affinity("auto", 1, 1, [0, 1, 2, 3]) == {"prefill-0": [0, 1], "decode-0": [2, 3]}
     # bigger: cores in proportion to the worker counts, disjoint
     plan = plan_affinity("auto", 1, 3, list(range(16)))
     assert plan == {"prefill-0": [0, 1, 2, 3], "decode-0": [4, 5, 6, 7], "decode-1": [8, 9, 10, 11],
                     "decode-2": [12, 13, 14, 15]}
-    plan = plan_affinity("auto", 3, 1, [0, 1, 2, 3])  # every worker still gets a core
-    assert plan == {"prefill-0": [0], "prefill-1": [1], "prefill-2": [2], "decode-0": [3]}
+    plan = plan_affinity("auto", 3, 1, [0, 1, 2, 3])  # every prefill worker still gets a core
+    assert plan == {"prefill-0": [0], "prefill-1": [1], "prefill-2": [2], "decode-0": [0, 1, 2, 3]}
     # colocated (one worker), or more workers than cores: nothing to pin
     assert plan_affinity("auto", 0, 1, [0, 1]) == {}
     assert plan_affinity("auto", 2, 2, [0, 1]) == {}

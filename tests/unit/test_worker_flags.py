@@ -13,13 +13,15 @@ from engine.config import EngineConfig, engine_config
 from services.decode.__main__ import parse as parse_decode
 from services.fault_hooks import ENV, load_fault_hooks
 from services.prefill.__main__ import parse as parse_prefill
-from services.worker_flags import worker_engine_config
+from services.worker_flags import PREFILL_WORKER_MAX_NUM_BATCHED_TOKENS, worker_engine_config
 
 
 def test_worker_defaults_are_the_config_defaults() -> None:
     for parse in (parse_prefill, parse_decode):
         config = worker_engine_config(parse([]))
-        assert config == engine_config()
+        # but a prefill worker's steps: smaller, so its first prompts finish sooner
+        steps = PREFILL_WORKER_MAX_NUM_BATCHED_TOKENS if parse is parse_prefill else None
+        assert config == engine_config(**({"max_num_batched_tokens": steps} if steps else {}))
         default = EngineConfig()  # the dataclasses' own, but for the uncapped max_model_len
         assert (config.model, config.cache, config.speculative) == (default.model, default.cache,
                                                                    default.speculative)
