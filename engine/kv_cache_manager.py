@@ -11,9 +11,17 @@ from engine.vocab.cache_events import CacheEvent
 
 
 class KVCacheManager(BlockTables):
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 prompt_blocks_only: bool = False) -> None:
+        """prompt_blocks_only (prefill_dtype=bfloat16): register only blocks
+        full of the request's own prompt tokens.  Their KV came from the
+        bfloat16 path, a generated token's from the exact one; a later prompt
+        holding those generated tokens (the next turn of a chat) computes
+        them as prompt tokens, so a hit on their blocks would give it other
+        values than computing them would."""
         super().__init__(num_blocks, block_size, enable_caching)
         self.enable_caching = enable_caching
+        self.prompt_blocks_only = prompt_blocks_only
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
@@ -74,6 +82,8 @@ class KVCacheManager(BlockTables):
         bs = self.block_size
         done = self._num_hashed.get(req.request_id, 0)
         num_full = min(num_tokens, req.num_tokens) // bs
+        if self.prompt_blocks_only:
+            num_full = min(num_full, req.num_generated_from // bs)
         if num_full <= done:
             return
         hashes = req.update_block_hashes(bs)

@@ -66,7 +66,8 @@ class LLMEngine:
         self.kv_layout = KVLayout.from_cache(self.runner.kv_cache, self.model_id, self.runner.dtype,
                                              self.runner.prefill_dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching,
+                                 prompt_blocks_only=self.runner.prompt_rows is not None)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.spec: SpeculativeDecoder | None = None
         if config.speculative.enabled:

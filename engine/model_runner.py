@@ -384,9 +384,11 @@ def prompt_logprob_positions(seq: ScheduledSeq) -> range:
 
 
 def prompt_tokens(seq: ScheduledSeq) -> int:
-    """How many of a scheduled chunk's rows (which lead) are prompt tokens."""
+    """How many of a scheduled chunk's rows (which lead) are prompt tokens: the
+    request's own, not tokens it generated (a migrated stream's resumed tokens
+    end its prompt, and were computed as outputs where they were generated)."""
     known = seq.num_new_tokens - len(seq.spec_token_ids)
-    return max(0, min(known, seq.request.num_prompt_tokens - seq.start))
+    return max(0, min(known, seq.request.num_generated_from - seq.start))
 
 
 def _first(bitmask: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """--prefill-dtype bfloat16 on the real model: prompt tokens through bfloat16
 projections, the rest exact.  A request's tokens and logprobs do not depend on
-the batch around it, on how its prompt was chunked, or on a prefix-cache hit;
+the batch around it, on how its prompt was chunked, or on a prefix-cache hit
+(a chat's next turn included, whose prompt holds tokens generated before);
 the bfloat16 path was taken (they differ from the float32 engine's); a split
 pair equals one engine; and a decode worker refuses a prefill worker of the
 other prefill dtype at the layout check, naming the field."""
@@ -31,10 +32,10 @@ def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # type: ignore[
     return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
 
-def _llm(prefill_dtype: str) -> LLM:
+def _llm(prefill_dtype: str, cache: bool = True) -> LLM:
     # Chunks of 48 tokens: the prompt spans several steps, beside other requests' decodes.
     return LLM(dtype="float32", num_blocks=96, num_threads=1, max_model_len=1024, max_num_batched_tokens=48,
-               prefill_dtype=prefill_dtype)
+               prefill_dtype=prefill_dtype, enable_prefix_caching=cache)
 
 
 def test_prompt_rows_are_batch_chunk_and_cache_invariant_and_bf16() -> None:
@@ -52,10 +53,23 @@ def test_prompt_rows_are_batch_chunk_and_cache_invariant_and_bf16() -> None:
     warm_out = bf.generate(ids, GREEDY)[0]
     assert warm_out.num_cached_tokens >= 48
     assert _tokens_and_logprobs(warm_out) == cold
-    # alone, cold (its blocks were freed and evicted by a fresh engine)
-    fresh = _llm("bfloat16")
+    # alone, cold (an engine without a prefix cache)
+    fresh = _llm("bfloat16", cache=False)
     alone = fresh.generate(ids, GREEDY)[0]
     assert alone.num_cached_tokens == 0 and _tokens_and_logprobs(alone) == cold
+    # a chat's next turn holds this turn's output, now prompt tokens: only the blocks
+    # of the first turn's prompt come from the cache, never those of its output
+    first = bf.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    turn2 = ids + first.outputs[0].token_ids + bf.tokenizer.encode(" And what happened next?")
+    assert (len(ids) + 40 - 1) // 16 > len(ids) // 16  # the first turn filled blocks with its output
+    # No chunk of one token in either run: one token attends through the decode kernel,
+    # whose bits are not the prefill kernel's (in every dtype, this mode or not).
+    cached = len(ids) // 16 * 16
+    while (len(turn2) - cached) % 48 == 1 or len(turn2) % 48 == 1:
+        turn2.append(turn2[-1])
+    warm2 = bf.generate(turn2, GREEDY)[0]
+    assert warm2.num_cached_tokens == cached
+    assert _tokens_and_logprobs(warm2) == _tokens_and_logprobs(fresh.generate(turn2, GREEDY)[0])
     del fresh
     # the float32 engine computes the prompt exactly: other logprobs
     exact = _tokens_and_logprobs(_llm("auto").generate(ids, GREEDY)[0])
