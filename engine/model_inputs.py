@@ -22,6 +22,11 @@ class Chunk:
     # before attention reads any, so this equals causal attention, and short
     # chunks (verification of drafts) take the batched decode path.
     expand: bool = False
+    # Prompt tokens: attended as a prefill even when the chunk is one token (a
+    # prompt's last token after a cached prefix, or a chunk boundary), so a
+    # prompt's logits never depend on how it was chunked or cached (the
+    # decode kernel's bits are not the prefill kernel's).
+    prompt: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -32,7 +37,7 @@ def build_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.device,
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """-> input_ids [T], positions [T], metadata.  The attention path batches
     the leading one-token rows as decodes: put expanded and one-token chunks
-    first."""
+    (but prompts') first."""
     bs = block_size
     ids: list[int] = []
     pos: list[int] = []
@@ -40,6 +45,7 @@ def build_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.device,
     qsl = [0]
     tables: list[list[int]] = []
     seq_lens: list[int] = []
+    as_prefill: list[bool] = []  # per row of the attention: a prompt's, whatever its length
     for c in chunks:
         end = c.start + len(c.token_ids)
         ids += c.token_ids
@@ -50,12 +56,14 @@ def build_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.device,
                 qsl.append(qsl[-1] + 1)
                 tables.append(c.block_ids)
                 seq_lens.append(p + 1)
+                as_prefill.append(False)
         else:
             qsl.append(qsl[-1] + len(c.token_ids))
             tables.append(c.block_ids)
             seq_lens.append(end)
+            as_prefill.append(c.prompt)
     query_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
-    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1 or as_prefill[i]), len(query_lens))
     max_nb = max(len(t) for t in tables)
     padded = [t + [0] * (max_nb - len(t)) for t in tables]
     meta = AttentionMetadata(

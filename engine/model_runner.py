@@ -328,7 +328,7 @@ class ModelRunner:
         them, the prompt logprobs this step computed.  draft_probs: the
         proposal distributions [k, V] of drafts that were sampled (not one-hot)."""
         # Decodes and verifications first: the attention path batches them.
-        seqs = sorted(out.seqs, key=lambda s: not (s.num_new_tokens == 1 or s.rows_as_decodes))
+        seqs = sorted(out.seqs, key=lambda s: not s.attends_as_decode)
         sampling = [s for s in seqs if s.sample]
         # Grammar masks are filled on another thread while the forward runs.
         masks = None
@@ -400,7 +400,7 @@ def seq_chunk(seq: ScheduledSeq) -> Chunk:
     (verified as one-token rows, as are output tokens computed again)."""
     known_end = seq.start + seq.num_new_tokens - len(seq.spec_token_ids)
     return Chunk(seq.request.all_token_ids[seq.start:known_end] + seq.spec_token_ids, seq.start,
-                 seq.block_ids, expand=seq.rows_as_decodes)
+                 seq.block_ids, expand=seq.rows_as_decodes, prompt=not seq.attends_as_decode)
 
 
 def default_threads() -> int:

@@ -54,6 +54,13 @@ class ScheduledSeq:
         decoding wrote, so a resumed seeded stream goes on exactly."""
         return bool(self.spec_token_ids) or (self.start > 0 and self.start >= self.request.num_generated_from)
 
+    @property
+    def attends_as_decode(self) -> bool:
+        """Its rows take the decode path: one output token (not a prompt's
+        token, which always takes the prefill path), or rows_as_decodes."""
+        one_output = self.num_new_tokens == 1 and self.start >= self.request.num_generated_from
+        return self.rows_as_decodes or one_output
+
 
 @dataclass
 class SchedulerOutput:

@@ -85,3 +85,13 @@ def test_a_prompt_gives_the_same_logits_whole_chunked_or_after_a_cached_prefix(k
         t, lg = next(run(chunked, [prompt]))
         assert t == tokens and torch.equal(lg, logits), time
     assert chunked.engine.kv.prefix_hits >= 4 * 48
+    # 193 tokens, the first 192 cached (12 blocks of 16, from the prompt above): the
+    # 193rd is computed alone, a prompt's token all the same, attended as a prefill
+    # (the decode kernel's bits are not the prefill kernel's)
+    ids = whole.tokenizer.encode(prompt)[:193]
+    tokens, logits = next(run(whole, [ids]))
+    before = chunked.engine.kv.prefix_hits
+    for time in ("first", "again"):
+        t, lg = next(run(chunked, [ids]))
+        assert t == tokens and torch.equal(lg, logits), time
+    assert chunked.engine.kv.prefix_hits - before == 2 * 192
