@@ -3,15 +3,16 @@ projections, the rest exact.  A request's tokens and logprobs do not depend on
 the batch around it, on how its prompt was chunked, or on a prefix-cache hit
 (a chat's next turn included, whose prompt holds tokens generated before);
 the bfloat16 path was taken (they differ from the float32 engine's); a split
-pair equals one engine; and a decode worker refuses a prefill worker of the
-other prefill dtype at the layout check, naming the field."""
+pair equals one engine; a decode worker refuses a prefill worker of the
+other prefill dtype at the layout check, naming the field; and where the
+option cannot run it is refused at start-up."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.cpu_features import has
 from protos import pb_grpc
 
 from .procs import address, free_port, peer_flag, start_worker
@@ -21,10 +22,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPT = "A long note on the harbour: the tides, the moon, the boats and the people who mend the nets. " * 5
 OTHERS = ["Short one.", "Another prompt, somewhat longer than the first, about trains and timetables " * 2]
 
-kernel = load_linear_kernel()
-pytestmark = pytest.mark.skipif(kernel is None or not kernel.bf16_supported(),
-                                reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which "
-                                       "--prefill-dtype bfloat16 needs")
+# The CPU's flags, not the kernel's availability: a kernel that failed to build
+# on a CPU that has the instructions must fail these tests, not skip them.
+BF16_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+needs_bf16 = pytest.mark.skipif(not BF16_CPU, reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), "
+                                                     "which --prefill-dtype bfloat16 needs")
+
+
+def test_refused_where_it_cannot_run() -> None:
+    """A float16 model everywhere, and any model on a CPU without AVX512-BF16:
+    a clear error at start-up naming the option, never a silent float32 path."""
+    with pytest.raises(ValueError, match="prefill_dtype: bfloat16 needs a float32 model on a CPU with "):
+        LLM(dtype="float16", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
+    if not BF16_CPU:
+        with pytest.raises(ValueError, match="prefill_dtype"):
+            LLM(dtype="float32", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
+    # a bfloat16 model's prompts already are: taken as it is
+    assert LLM(dtype="bfloat16", num_blocks=16, num_threads=1,
+               prefill_dtype="bfloat16").engine.kv_layout.prefill_dtype == ""
 
 
 def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
@@ -38,6 +53,7 @@ def _llm(prefill_dtype: str, cache: bool = True) -> LLM:
                prefill_dtype=prefill_dtype, enable_prefix_caching=cache)
 
 
+@needs_bf16
 def test_prompt_rows_are_batch_chunk_and_cache_invariant_and_bf16() -> None:
     bf = _llm("bfloat16")
     assert bf.engine.kv_layout.prefill_dtype == "bfloat16"
@@ -98,6 +114,7 @@ def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
             p.stop()
 
 
+@needs_bf16
 def test_split_equals_one_engine_and_refuses_the_other_prefill_dtype(cluster) -> None:  # type: ignore[no-untyped-def]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     one = LLM(dtype="float32", num_blocks=64, num_threads=1, max_model_len=1024, prefill_dtype="bfloat16")
