@@ -130,19 +130,18 @@ def row_runs(rows: Iterable[tuple[int, int]]) -> tuple[RowRun, ...]:
     """Per sequence in row order (its rows, how many of them lead as prompt
     tokens) -> the runs, neighbours of one path merged; () if no row is a prompt
     token."""
-    runs: list[list[int | bool]] = []
+    runs: list[RowRun] = []
     start = 0
     for n, prompt in rows:
         for lo, hi, bf in ((start, start + prompt, True), (start + prompt, start + n, False)):
-            if hi > lo:
-                if runs and runs[-1][2] == bf:
-                    runs[-1][1] = hi
-                else:
-                    runs.append([lo, hi, bf])
+            if hi <= lo:
+                continue
+            if runs and runs[-1][2] == bf:
+                runs[-1] = (runs[-1][0], hi, bf)
+            else:
+                runs.append((lo, hi, bf))
         start += n
-    if not any(r[2] for r in runs):
-        return ()
-    return tuple((int(a), int(b), bool(c)) for a, b, c in runs)
+    return tuple(runs) if any(bf for _, _, bf in runs) else ()
 
 
 class PackedLinear(nn.Module):

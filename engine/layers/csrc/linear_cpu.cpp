@@ -106,7 +106,8 @@ inline uint32_t bf16_bits(float f) {
 
 // Rows of x [rows, K] -> bfloat16 pairs (x[2 kp] low, x[2 kp + 1] high), as
 // the bf16 kernel reads them: in tiles of BF_TILE_ROWS rows, row r's pair kp
-// at [kp * BF_TILE_ROWS + r] (rows past the tile's end stay as they are).
+// at [kp * BF_TILE_ROWS + r] (rows past the last row are never read: the
+// kernel runs as many rows as the tile has).
 void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t kp = 0; kp < K / 2; ++kp)
@@ -162,7 +163,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     TORCH_CHECK(K % 2 == 0, name, ": K must be even");
     static_assert(M_CHUNK % BF_TILE_ROWS == 0, "row chunks start on a tile");
     const int64_t tiles = (M + BF_TILE_ROWS - 1) / BF_TILE_ROWS;
-    pairs = at::zeros({tiles * BF_TILE_ROWS, K / 2}, x2.options().dtype(at::kInt));
+    pairs = at::empty({tiles * BF_TILE_ROWS, K / 2}, x2.options().dtype(at::kInt));
     uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
     parallel_claim(tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
