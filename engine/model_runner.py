@@ -9,7 +9,7 @@ import logging
 import math
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -22,7 +22,7 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.layers.cpu_features import amx_bf16, fast_bf16
 from engine.layers.kv_quant import resolve_kv_dtype
-from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
+from engine.layers.packed_linear import PackedLinear, PromptRows, leading_rows, row_runs
 from engine.lora import LoRAManager
 from engine.model_inputs import Chunk, build_inputs
 from engine.models.int4 import Int4Weight
@@ -210,8 +210,15 @@ class ModelRunner:
         self.attn = self._attention_backend(model_config.attention_backend)
         # prefill_dtype=bfloat16: the prompt rows of each step, set around its forward.
         self.prompt_rows: PromptRows | None = None
+        # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
+        self.bf16_attention = False
         if model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16:
             self.prompt_rows = self._bf16_prompts()
+            attention = load_cpu_kernel()
+            self.bf16_attention = attention is not None and attention.prefill_bf16_supported()
+            if not self.bf16_attention:
+                log.warning("prefill_dtype bfloat16: the attention kernel has no AVX512-BF16 build; "
+                            "prompt tokens attend in float32")
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         self.lora: LoRAManager | None = None  # set by enable_lora
         if self.device.type == "cpu":
@@ -234,6 +241,15 @@ class ModelRunner:
         if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
             raise ValueError("prefill_dtype: bfloat16 needs the packed CPU projections")
         return self.model.enable_bf16_prompts()
+
+    def mark_prompt_rows(self, meta: AttentionMetadata, rows: Iterable[tuple[int, int]]) -> None:
+        """prefill_dtype bfloat16: the next forward's rows by path, per scheduled
+        sequence in row order (its rows, how many of them lead as prompt tokens),
+        for the projections and the attention."""
+        assert self.prompt_rows is not None
+        self.prompt_rows.runs = row_runs(rows)
+        if self.bf16_attention and self.prompt_rows.runs:
+            meta.bf16_rows = leading_rows(self.prompt_rows.runs, meta.query_lens)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRAManager:
         self.lora = LoRAManager(self.model, max_loras, max_rank)
@@ -285,7 +301,7 @@ class ModelRunner:
         chunk predicts (the next ones its request lacks)."""
         input_ids, positions, meta = self.prepare(seqs)
         if self.prompt_rows is not None:
-            self.prompt_rows.runs = row_runs((s.num_new_tokens, prompt_tokens(s)) for s in seqs)
+            self.mark_prompt_rows(meta, [(s.num_new_tokens, prompt_tokens(s)) for s in seqs])
         try:
             if self.lora is None:
                 hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn)

@@ -39,6 +39,10 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for the CPU path
     seq_lens_host: list[int]
     num_decodes: int  # the first num_decodes sequences have q_len == 1
+    # Per sequence, how many of its leading query rows attend in bfloat16
+    # (prompt tokens under prefill_dtype bfloat16, where the CPU kernel can);
+    # empty: none.
+    bf16_rows: list[int] = field(default_factory=list)
     # What a backend derives once per step and reuses in every layer (keyed by the backend).
     per_step: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -135,7 +139,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     if nd < meta.num_seqs and kernel is not None and q.shape[-1] % 16 == 0:
         o = kernel.paged_prefill_attention(q[nd:], kv_cache, layer, meta.block_tables[nd:],
                                            meta.query_lens[nd:], meta.seq_lens_host[nd:],
-                                           scale * s, window or 0)
+                                           scale * s, window or 0, meta.bf16_rows[nd:])
         parts.append(o if s == 1.0 else o * s)
     elif nd < meta.num_seqs:
         parts.append(_torch_prefills(q, k_new, v_new, kv_cache, layer, meta, scale, window, softcap))

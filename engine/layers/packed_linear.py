@@ -24,7 +24,7 @@ token, never on the batch around it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -142,6 +142,22 @@ def row_runs(rows: Iterable[tuple[int, int]]) -> tuple[RowRun, ...]:
                 runs.append((lo, hi, bf))
         start += n
     return tuple(runs) if any(bf for _, _, bf in runs) else ()
+
+
+def leading_rows(runs: Sequence[RowRun], query_lens: Sequence[int]) -> list[int]:
+    """Per sequence of the attention (its query_lens rows, in row order): how
+    many of its leading rows `runs` marks bfloat16."""
+    out: list[int] = []
+    start, i = 0, 0
+    for n in query_lens:
+        while i < len(runs) and runs[i][1] <= start:
+            i += 1
+        lead = 0
+        if i < len(runs) and runs[i][2] and runs[i][0] <= start:
+            lead = min(runs[i][1], start + n) - start
+        out.append(lead)
+        start += n
+    return out
 
 
 class PackedLinear(nn.Module):

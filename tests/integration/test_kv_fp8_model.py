@@ -74,7 +74,8 @@ def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[l
     for step in range(STEPS):
         ids, pos, meta = build_inputs(chunks, bs, runner.device)
         if runner.prompt_rows is not None:  # prefill_dtype=bfloat16: step 0's rows are the prompts
-            runner.prompt_rows.runs = ((0, len(ids), True),) if step == 0 else ()
+            runner.mark_prompt_rows(meta, [(len(c.token_ids), len(c.token_ids) if step == 0 else 0)
+                                           for c in chunks])
         hidden = runner.model(ids, pos, runner.kv_cache, meta, runner.attn)
         last = meta.query_start_loc[1:].long() - 1
         lp = runner.model.compute_logits(hidden[last]).float().log_softmax(-1)  # [B, V]

@@ -73,6 +73,13 @@ def test_prompt_rows_are_batch_chunk_and_cache_invariant_and_bf16() -> None:
     fresh = _llm("bfloat16", cache=False)
     alone = fresh.generate(ids, GREEDY)[0]
     assert alone.num_cached_tokens == 0 and _tokens_and_logprobs(alone) == cold
+    # the prompt rows attend in bfloat16 too: in float32 the logprobs differ
+    runner = fresh.engine.runner
+    assert runner.bf16_attention
+    runner.bf16_attention = False
+    float32_attention = _tokens_and_logprobs(fresh.generate(ids, GREEDY)[0])
+    runner.bf16_attention = True
+    assert float32_attention[1] != cold[1]
     # a chat's next turn holds this turn's output, now prompt tokens: only the blocks
     # of the first turn's prompt come from the cache, never those of its output
     first = bf.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]

@@ -31,8 +31,13 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -481,6 +486,7 @@ inline void pv_rows(int64_t rows, const float* p, int64_t lp, int64_t i0, int64_
 
 struct Task {
   int64_t seq, head, q0, q1, cost;
+  bool bf16;  // the rows are prompt tokens that attend in bfloat16 (below)
 };
 
 // Softmax of one row's block of scores s[0..BK), visible keys [a, e): the
@@ -527,10 +533,117 @@ inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, float& m
   return rescale;
 }
 
+// ---- bfloat16 prompt rows (--prefill-dtype bfloat16) ----
+//
+// A float32 model's prompt tokens may attend in bfloat16: the scaled q, the
+// keys, the softmax's p and the values rounded to nearest even (a bfloat16
+// cache's keys and values as stored), S = Q K^T and O += P V as `vdpbf16ps`
+// products of pairs summed in float32; the softmax, its running max and sum
+// and the output stay float32.  The blocks, the online softmax and each row's
+// order of sums are the float32 path's, so a row's bits still depend on its
+// own sequence alone.  Keys are packed as tiles of 16 keys [D / 2][16][2]
+// (pairs of head dims), values as pairs of keys [key / 2][D][2].
+
+// x rounded to the nearest bfloat16, ties to even (as torch rounds; NaN stays NaN).
+inline uint16_t bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool HAS_BF16 = true;
+constexpr int BR = 6;  // rows per bfloat16 micro-kernel, times up to 4 vectors: 24 accumulators
+
+inline __m512bh pair_splat(const uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(u));
+}
+
+// s[r][16 t .. 16 t + 16) = q_r . keys of tile t, t < NT, for R rows of q
+// (bfloat16, D apart); kt: NT consecutive key tiles [D / 2][16][2].
+template <int R, int NT>
+inline void qk_tile_bf(const uint16_t* __restrict__ q, int64_t D, const uint16_t* __restrict__ kt,
+                       float* __restrict__ s, int64_t ls) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    __m512bh k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = (__m512bh)_mm512_loadu_si512(kt + t * KT * D + d * KT);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = pair_splat(q + r * D + d);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, k[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(s + r * ls + t * KT, acc[r][t]);
+}
+
+// o[r][d0 .. d0 + 16 NT) = o * rescale[r] + sum over key pairs j0..j1 of
+// p[r][2j, 2j+1] . v[2j, 2j+1][d] (p: bfloat16 rows lp apart; v: [pair][D][2]).
+template <int R, int NT>
+inline void pv_tile_bf(const uint16_t* __restrict__ p, int64_t lp, int64_t j0, int64_t j1,
+                       const uint16_t* __restrict__ v, int64_t D, int64_t d0, const float* __restrict__ rescale,
+                       float* __restrict__ o) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t)
+      acc[r][t] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + t * KT), _mm512_set1_ps(rescale[r]));
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512bh w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(v + (j * D + d0 + t * KT) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = pair_splat(p + r * lp + 2 * j);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, w[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(o + r * D + d0 + t * KT, acc[r][t]);
+}
+
+// The kernels for `rows` <= BR rows and `tiles` <= 4 tiles (or vectors).
+template <int R, int NT>
+inline void qk_bf(int64_t rows, int64_t tiles, const uint16_t* q, int64_t D, const uint16_t* kt, float* s,
+                  int64_t ls) {
+  if constexpr (R > 1) {
+    if (rows < R) return qk_bf<R - 1, NT>(rows, tiles, q, D, kt, s, ls);
+  }
+  if constexpr (NT > 1) {
+    if (tiles < NT) return qk_bf<R, NT - 1>(rows, tiles, q, D, kt, s, ls);
+  }
+  qk_tile_bf<R, NT>(q, D, kt, s, ls);
+}
+
+template <int R, int NT>
+inline void pv_bf(int64_t rows, int64_t vecs, const uint16_t* p, int64_t lp, int64_t j0, int64_t j1,
+                  const uint16_t* v, int64_t D, int64_t d0, const float* rescale, float* o) {
+  if constexpr (R > 1) {
+    if (rows < R) return pv_bf<R - 1, NT>(rows, vecs, p, lp, j0, j1, v, D, d0, rescale, o);
+  }
+  if constexpr (NT > 1) {
+    if (vecs < NT) return pv_bf<R, NT - 1>(rows, vecs, p, lp, j0, j1, v, D, d0, rescale, o);
+  }
+  pv_tile_bf<R, NT>(p, lp, j0, j1, v, D, d0, rescale, o);
+}
+
+// n floats (a multiple of 32) rounded to bfloat16, ties to even.
+inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(y + i, (__m512i)h);
+  }
+}
+#else
+constexpr bool HAS_BF16 = false;
+#endif
+
 template <typename scalar_t, typename cache_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& block_tables,
                     const std::vector<int64_t>& query_lens, const std::vector<int64_t>& seq_lens, double scale,
-                    int64_t window, at::Tensor& out) {
+                    int64_t window, const std::vector<int64_t>& bf16_rows, at::Tensor& out) {
   const int64_t Hq = q.size(1), D = q.size(2);
   const int64_t bs = kv.size(3), Hkv = kv.size(4), G = Hq / Hkv;
   const int64_t s_blk = kv.stride(0), s_lyr = kv.stride(1), s_kv = kv.stride(2), s_tok = kv.stride(3),
@@ -558,6 +671,13 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   // Not zero-filled first: the packing below writes every tile up to the
   // sequence's last key whole, the keys out of sight as zeros.
   std::unique_ptr<float[]> kpack(new float[kstart[B]]), vpack(new float[kstart[B]]);
+  // Sequence b's first bf16_rows[b] queries attend in bfloat16: their keys
+  // and values packed again as pairs, at the same offsets.
+  auto n16 = [&](int64_t b) { return bf16_rows.empty() ? int64_t{0} : bf16_rows[b]; };
+  bool any16 = false;
+  for (int64_t b = 0; b < B; ++b) any16 = any16 || n16(b) > 0;
+  std::unique_ptr<uint16_t[]> kpack16(any16 ? new uint16_t[kstart[B]] : nullptr),
+      vpack16(any16 ? new uint16_t[kstart[B]] : nullptr);
   // Sequence b's keys for KV head hk start here (in kpack, and in vpack).
   auto region = [&](int64_t b, int64_t hk) { return kstart[b] + hk * ((kstart[b + 1] - kstart[b]) / Hkv); };
   std::vector<int64_t> tile_start(B + 1, 0);
@@ -585,17 +705,27 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
         const float* vf_ = as_floats(krow + s_kv, vr + i * D, D);
         if (vf_ != vr + i * D) std::memcpy(vr + i * D, vf_, D * sizeof(float));
       }
+      if (n16(b) > 0) {  // the tile's 16 keys: 8 pairs of values, 16 keys of D / 2 pairs of dims
+        uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
+        uint16_t* vr16 = vpack16.get() + (vr - vpack.get());
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t i = 0; i < KT; ++i) kt16[(d / 2 * KT + i) * 2 + d % 2] = bf16_round(kt[d * KT + i]);
+        for (int64_t i = 0; i < KT; ++i)
+          for (int64_t d = 0; d < D; ++d) vr16[(i / 2 * D + d) * 2 + i % 2] = bf16_round(vr[i * D + d]);
+      }
     }
   });
 
   std::vector<Task> tasks;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = seq_lens[b] - query_lens[b];
-    for (int64_t q0 = 0; q0 < query_lens[b]; q0 += QB) {
-      const int64_t q1 = std::min(q0 + QB, query_lens[b]);
-      const int64_t hi = first + q1, lo = window > 0 ? std::max<int64_t>(0, first + q0 - window + 1) : 0;
-      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, q0, q1, (hi - lo) * (q1 - q0)});
-    }
+    // The bfloat16 rows and the others in tasks of their own.
+    for (auto [from, to, bf] : {std::tuple{int64_t{0}, n16(b), true}, std::tuple{n16(b), query_lens[b], false}})
+      for (int64_t q0 = from; q0 < to; q0 += QB) {
+        const int64_t q1 = std::min(q0 + QB, to);
+        const int64_t hi = first + q1, lo = window > 0 ? std::max<int64_t>(0, first + q0 - window + 1) : 0;
+        for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, q0, q1, (hi - lo) * (q1 - q0), bf});
+      }
   }
   // The longest first: a thread that claims the last tasks finishes with the others.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
@@ -603,6 +733,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   parallel_claim(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t RT = QB * G;
     std::vector<float> qs(RT * D), o(RT * D), s(RT * BK), m(RT), l(RT), rescale(RT);
+    std::vector<uint16_t> qs16(any16 ? RT * D : 0), p16(any16 ? RT * BK : 0);
     std::vector<int64_t> lo(RT), hi(RT);
     vi lane;
     for (int u = 0; u < VW; ++u) lane[u] = u;
@@ -620,6 +751,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           const int64_t rho = i * G + g;
           const scalar_t* src = qp + ((qstart[b] + task.q0 + i) * Hq + hk * G + g) * D;
           for (int64_t d = 0; d < D; ++d) qs[rho * D + d] = to_f(src[d]) * fscale;
+          if (task.bf16)
+            for (int64_t d = 0; d < D; ++d) qs16[rho * D + d] = bf16_round(qs[rho * D + d]);
           lo[rho] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
           hi[rho] = pos + 1;
           m[rho] = -std::numeric_limits<float>::max();
@@ -633,12 +766,24 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
         const float* kt = kp + k0 * D;
         const float* vb = vp + k0 * D;
         // Rows that see none of this block's keys stay as they are (rescale 1, p 0).
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          const int64_t r = std::min<int64_t>(MR, rows - r0);
-          if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
-          const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
-          for (int64_t j = j0; j < n16; j += KT)
-            qk_rows<MR>(r, qs.data() + r0 * D, D, kt + j * D, s.data() + r0 * BK + j, BK);
+        if (task.bf16) {
+#if defined(__AVX512BF16__)
+          const uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
+          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+            const int64_t r = std::min<int64_t>(BR, rows - r0);
+            if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
+            const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
+            qk_bf<BR, 4>(r, (n16 - j0) / KT, qs16.data() + r0 * D, D, kt16 + j0 * D, s.data() + r0 * BK + j0, BK);
+          }
+#endif
+        } else {
+          for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            const int64_t r = std::min<int64_t>(MR, rows - r0);
+            if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
+            const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
+            for (int64_t j = j0; j < n16; j += KT)
+              qk_rows<MR>(r, qs.data() + r0 * D, D, kt + j * D, s.data() + r0 * BK + j, BK);
+          }
         }
         for (int64_t rho = 0; rho < rows; ++rho) {
           const int64_t a = std::max(lo[rho], k0) - k0, e = std::min(hi[rho], k1) - k0;
@@ -649,12 +794,29 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           }
           rescale[rho] = softmax_block(s.data() + rho * BK, a, e, m[rho], l[rho], lane);
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          const int64_t r = std::min<int64_t>(MR, rows - r0);
-          const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
-          if (a >= e) continue;
-          for (int64_t d0 = 0; d0 < D; d0 += KT)
-            pv_rows<MR>(r, s.data() + r0 * BK, BK, a, e, vb, D, d0, rescale.data() + r0, o.data() + r0 * D);
+        if (task.bf16) {
+#if defined(__AVX512BF16__)
+          // p in bfloat16 pairs; keys out of a row's sight have p = 0 (a pair
+          // half out of sight adds 0 times a packed value, zeros past the end).
+          round_bf16(s.data(), p16.data(), rows * BK);
+          const uint16_t* vb16 = vpack16.get() + (vb - vpack.get());
+          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+            const int64_t r = std::min<int64_t>(BR, rows - r0);
+            const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
+            if (a >= e) continue;
+            for (int64_t d0 = 0; d0 < D; d0 += 4 * KT)
+              pv_bf<BR, 4>(r, (D - d0) / KT, p16.data() + r0 * BK, BK, a / 2, (e + 1) / 2, vb16, D, d0,
+                           rescale.data() + r0, o.data() + r0 * D);
+          }
+#endif
+        } else {
+          for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            const int64_t r = std::min<int64_t>(MR, rows - r0);
+            const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
+            if (a >= e) continue;
+            for (int64_t d0 = 0; d0 < D; d0 += KT)
+              pv_rows<MR>(r, s.data() + r0 * BK, BK, a, e, vb, D, d0, rescale.data() + r0, o.data() + r0 * D);
+          }
         }
       }
       for (int64_t i = 0; i < task.q1 - task.q0; ++i)
@@ -706,7 +868,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
 // block_tables: [B, max_blocks] int32; query_lens, seq_lens: [B].  D: a multiple of 16.
 at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer, at::Tensor block_tables,
                                    std::vector<int64_t> query_lens, std::vector<int64_t> seq_lens, double scale,
-                                   int64_t window) {
+                                   int64_t window, std::vector<int64_t> bf16_rows) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 6, "paged_prefill_attention: bad ranks");
   TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
   TORCH_CHECK(q.size(2) % prefill::KT == 0 && q.size(2) == kv_cache.size(5),
@@ -728,6 +890,13 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t la
     total += query_lens[b];
   }
   TORCH_CHECK(q.size(0) == total, "q: one row per query token (the sum of query_lens)");
+  TORCH_CHECK(bf16_rows.empty() || static_cast<int64_t>(bf16_rows.size()) == B,
+              "bf16_rows: one entry per sequence, or none");
+  for (int64_t b = 0; b < static_cast<int64_t>(bf16_rows.size()); ++b) {
+    TORCH_CHECK(bf16_rows[b] >= 0 && bf16_rows[b] <= query_lens[b], "bf16_rows: each 0 .. its query_lens");
+    TORCH_CHECK(bf16_rows[b] == 0 || (prefill::HAS_BF16 && q.scalar_type() == at::kFloat),
+                "bf16_rows: bfloat16 attention needs float32 queries and a build with AVX512-BF16");
+  }
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -740,16 +909,16 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t la
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     if (cache_type == at::kFloat8_e4m3fn)
       prefill::prefill_kernel<scalar_t, c10::Float8_e4m3fn>(q, kv_cache, layer, block_tables, query_lens, seq_lens,
-                                                            scale, window, out);
+                                                            scale, window, bf16_rows, out);
     else if (cache_type == at::kFloat8_e5m2)
       prefill::prefill_kernel<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, query_lens, seq_lens,
-                                                          scale, window, out);
+                                                          scale, window, bf16_rows, out);
     else if (cache_type == at::kBFloat16)
       prefill::prefill_kernel<scalar_t, c10::BFloat16>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
-                                                       window, out);
+                                                       window, bf16_rows, out);
     else
       prefill::prefill_kernel<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
-                                                  window, out);
+                                                  window, bf16_rows, out);
   });
   return out;
 }
@@ -765,5 +934,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "causal attention of prefill queries over the paged cache (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("query_lens"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("bf16_rows") = std::vector<int64_t>{});
+  // Whether bf16_rows can be given: this build has AVX512-BF16.
+  m.def("prefill_bf16_supported", [] { return prefill::HAS_BF16; });
 }
