@@ -544,12 +544,25 @@ inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, float& m
 // own sequence alone.  Keys are packed as tiles of 16 keys [D / 2][16][2]
 // (pairs of head dims), values as pairs of keys [key / 2][D][2].
 
-// x rounded to the nearest bfloat16, ties to even (as torch rounds; NaN stays NaN).
+// x rounded to the nearest bfloat16, ties to even (as torch rounds; NaN stays
+// NaN), without a branch so that loops of it vectorize.
 inline uint16_t bf16_round(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t nan = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// A cache row of D values as bfloat16: a bfloat16 cache's bits as stored,
+// others widened to float32 (into buf) and rounded.
+template <typename cache_t>
+inline void as_bf16(const cache_t* row, float* buf, uint16_t* out, int64_t D) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    std::memcpy(out, row, D * sizeof(uint16_t));
+  } else {
+    const float* f = as_floats(row, buf, D);
+    for (int64_t d = 0; d < D; ++d) out[d] = bf16_round(f[d]);
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -684,34 +697,57 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   for (int64_t b = 0; b < B; ++b) tile_start[b + 1] = tile_start[b] + Hkv * ((seq_lens[b] + KT - 1) / KT);
   parallel_claim(tile_start[B], 4, [&](int64_t begin, int64_t end) {
     std::vector<float> rowbuf(D);
+    std::vector<uint16_t> rows16(2 * KT * D);  // the tile's keys, then its values, as bfloat16 [KT][D]
     int64_t b = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (tile_start[b + 1] <= t) ++b;
       const int64_t tiles = (seq_lens[b] + KT - 1) / KT;
       const int64_t hk = (t - tile_start[b]) / tiles, tile = (t - tile_start[b]) % tiles;
-      float* kt = kpack.get() + region(b, hk) + tile * KT * D;
-      float* vr = vpack.get() + region(b, hk) + tile * KT * D;
+      const int64_t at = region(b, hk) + tile * KT * D;
       const int32_t* table = bt + b * bt_stride;
-      for (int64_t i = 0; i < KT; ++i) {
-        const int64_t pos = tile * KT + i;
-        if (pos < klo[b] || pos >= seq_lens[b]) {
-          for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = 0.f;
-          std::fill(vr + i * D, vr + (i + 1) * D, 0.f);
-          continue;
+      auto row = [&](int64_t pos) { return base + table[pos / bs] * s_blk + (pos % bs) * s_tok + hk * s_head; };
+      auto seen = [&](int64_t pos) { return pos >= klo[b] && pos < seq_lens[b]; };
+      if (n16(b) < query_lens[b]) {  // float32 rows: K as tiles [D][16], V as rows [D]
+        float* kt = kpack.get() + at;
+        float* vr = vpack.get() + at;
+        for (int64_t i = 0; i < KT; ++i) {
+          const int64_t pos = tile * KT + i;
+          if (!seen(pos)) {
+            for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = 0.f;
+            std::fill(vr + i * D, vr + (i + 1) * D, 0.f);
+            continue;
+          }
+          const cache_t* krow = row(pos);
+          const float* kf = as_floats(krow, rowbuf.data(), D);
+          for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = kf[d];
+          const float* vf_ = as_floats(krow + s_kv, vr + i * D, D);
+          if (vf_ != vr + i * D) std::memcpy(vr + i * D, vf_, D * sizeof(float));
         }
-        const cache_t* krow = base + table[pos / bs] * s_blk + (pos % bs) * s_tok + hk * s_head;
-        const float* kf = as_floats(krow, rowbuf.data(), D);
-        for (int64_t d = 0; d < D; ++d) kt[d * KT + i] = kf[d];
-        const float* vf_ = as_floats(krow + s_kv, vr + i * D, D);
-        if (vf_ != vr + i * D) std::memcpy(vr + i * D, vf_, D * sizeof(float));
       }
-      if (n16(b) > 0) {  // the tile's 16 keys: 8 pairs of values, 16 keys of D / 2 pairs of dims
-        uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
-        uint16_t* vr16 = vpack16.get() + (vr - vpack.get());
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t i = 0; i < KT; ++i) kt16[(d / 2 * KT + i) * 2 + d % 2] = bf16_round(kt[d * KT + i]);
-        for (int64_t i = 0; i < KT; ++i)
-          for (int64_t d = 0; d < D; ++d) vr16[(i / 2 * D + d) * 2 + i % 2] = bf16_round(vr[i * D + d]);
+      if (n16(b) > 0) {  // bfloat16 rows: K as tiles [D / 2][16][2], V as pairs of keys [D][2]
+        uint16_t* kr = rows16.data();
+        uint16_t* vr = kr + KT * D;
+        for (int64_t i = 0; i < KT; ++i) {
+          const int64_t pos = tile * KT + i;
+          if (!seen(pos)) {
+            std::fill(kr + i * D, kr + (i + 1) * D, uint16_t{0});
+            std::fill(vr + i * D, vr + (i + 1) * D, uint16_t{0});
+          } else {
+            as_bf16(row(pos), rowbuf.data(), kr + i * D, D);
+            as_bf16(row(pos) + s_kv, rowbuf.data(), vr + i * D, D);
+          }
+        }
+        // A key's pair of dims is one 32-bit word: the tile is the [16][D / 2] words transposed.
+        uint32_t* kt16 = reinterpret_cast<uint32_t*>(kpack16.get() + at);
+        const uint32_t* kw = reinterpret_cast<const uint32_t*>(kr);
+        for (int64_t dp = 0; dp < D / 2; ++dp)
+          for (int64_t i = 0; i < KT; ++i) kt16[dp * KT + i] = kw[i * (D / 2) + dp];
+        uint16_t* vp16 = vpack16.get() + at;
+        for (int64_t i = 0; i < KT; i += 2)
+          for (int64_t d = 0; d < D; ++d) {
+            vp16[(i / 2 * D + d) * 2] = vr[i * D + d];
+            vp16[(i / 2 * D + d) * 2 + 1] = vr[(i + 1) * D + d];
+          }
       }
     }
   });
