@@ -686,9 +686,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   std::unique_ptr<float[]> kpack(new float[kstart[B]]), vpack(new float[kstart[B]]);
   // Sequence b's first bf16_rows[b] queries attend in bfloat16: their keys
   // and values packed again as pairs, at the same offsets.
-  auto n16 = [&](int64_t b) { return bf16_rows.empty() ? int64_t{0} : bf16_rows[b]; };
+  auto lead16 = [&](int64_t b) { return bf16_rows.empty() ? int64_t{0} : bf16_rows[b]; };
   bool any16 = false;
-  for (int64_t b = 0; b < B; ++b) any16 = any16 || n16(b) > 0;
+  for (int64_t b = 0; b < B; ++b) any16 = any16 || lead16(b) > 0;
   std::unique_ptr<uint16_t[]> kpack16(any16 ? new uint16_t[kstart[B]] : nullptr),
       vpack16(any16 ? new uint16_t[kstart[B]] : nullptr);
   // Sequence b's keys for KV head hk start here (in kpack, and in vpack).
@@ -707,7 +707,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
       const int32_t* table = bt + b * bt_stride;
       auto row = [&](int64_t pos) { return base + table[pos / bs] * s_blk + (pos % bs) * s_tok + hk * s_head; };
       auto seen = [&](int64_t pos) { return pos >= klo[b] && pos < seq_lens[b]; };
-      if (n16(b) < query_lens[b]) {  // float32 rows: K as tiles [D][16], V as rows [D]
+      if (lead16(b) < query_lens[b]) {  // float32 rows: K as tiles [D][16], V as rows [D]
         float* kt = kpack.get() + at;
         float* vr = vpack.get() + at;
         for (int64_t i = 0; i < KT; ++i) {
@@ -724,7 +724,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           if (vf_ != vr + i * D) std::memcpy(vr + i * D, vf_, D * sizeof(float));
         }
       }
-      if (n16(b) > 0) {  // bfloat16 rows: K as tiles [D / 2][16][2], V as pairs of keys [D][2]
+      if (lead16(b) > 0) {  // bfloat16 rows: K as tiles [D / 2][16][2], V as pairs of keys [D][2]
         uint16_t* kr = rows16.data();
         uint16_t* vr = kr + KT * D;
         for (int64_t i = 0; i < KT; ++i) {
@@ -756,7 +756,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   for (int64_t b = 0; b < B; ++b) {
     const int64_t first = seq_lens[b] - query_lens[b];
     // The bfloat16 rows and the others in tasks of their own.
-    for (auto [from, to, bf] : {std::tuple{int64_t{0}, n16(b), true}, std::tuple{n16(b), query_lens[b], false}})
+    for (auto [from, to, bf] :
+         {std::tuple{int64_t{0}, lead16(b), true}, std::tuple{lead16(b), query_lens[b], false}})
       for (int64_t q0 = from; q0 < to; q0 += QB) {
         const int64_t q1 = std::min(q0 + QB, to);
         const int64_t hi = first + q1, lo = window > 0 ? std::max<int64_t>(0, first + q0 - window + 1) : 0;
