@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16_round.h"
 #include "parallel_claim.h"
 
 #include <algorithm>
@@ -95,14 +96,7 @@ struct Panels {
   bool bf16_pairs = false;  // the kernel wants x as bfloat16 pairs (bf16 panels)
 };
 
-// A float32's bfloat16 bits, rounded to nearest even, NaN quieted: torch's
-// conversion (integer arithmetic only, so -ffast-math cannot change it).
-inline uint32_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
+using splitserve_bf16::round_bits;
 
 // Rows of x [rows, K] -> bfloat16 pairs (x[2 kp] low, x[2 kp + 1] high), as
 // the bf16 kernel reads them: in tiles of BF_TILE_ROWS rows, row r's pair kp
@@ -111,7 +105,8 @@ inline uint32_t bf16_bits(float f) {
 void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t kp = 0; kp < K / 2; ++kp)
-      tile[kp * BF_TILE_ROWS + r] = bf16_bits(x[r * K + 2 * kp]) | (bf16_bits(x[r * K + 2 * kp + 1]) << 16);
+      tile[kp * BF_TILE_ROWS + r] =
+          round_bits(x[r * K + 2 * kp]) | (uint32_t{round_bits(x[r * K + 2 * kp + 1])} << 16);
 }
 
 // s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16_round.h"
 #include "exp_poly.h"
 #include "parallel_claim.h"
 
@@ -544,14 +545,7 @@ inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, float& m
 // own sequence alone.  Keys are packed as tiles of 16 keys [D / 2][16][2]
 // (pairs of head dims), values as pairs of keys [key / 2][D][2].
 
-// x rounded to the nearest bfloat16, ties to even (as torch rounds; NaN stays
-// NaN), without a branch so that loops of it vectorize.
-inline uint16_t bf16_round(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  const uint32_t nan = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+using splitserve_bf16::round_bits;
 
 // A cache row of D values as bfloat16: a bfloat16 cache's bits as stored,
 // others widened to float32 (into buf) and rounded.
@@ -561,7 +555,7 @@ inline void as_bf16(const cache_t* row, float* buf, uint16_t* out, int64_t D) {
     std::memcpy(out, row, D * sizeof(uint16_t));
   } else {
     const float* f = as_floats(row, buf, D);
-    for (int64_t d = 0; d < D; ++d) out[d] = bf16_round(f[d]);
+    for (int64_t d = 0; d < D; ++d) out[d] = round_bits(f[d]);
   }
 }
 
@@ -789,7 +783,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           const scalar_t* src = qp + ((qstart[b] + task.q0 + i) * Hq + hk * G + g) * D;
           for (int64_t d = 0; d < D; ++d) qs[rho * D + d] = to_f(src[d]) * fscale;
           if (task.bf16)
-            for (int64_t d = 0; d < D; ++d) qs16[rho * D + d] = bf16_round(qs[rho * D + d]);
+            for (int64_t d = 0; d < D; ++d) qs16[rho * D + d] = round_bits(qs[rho * D + d]);
           lo[rho] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
           hi[rho] = pos + 1;
           m[rho] = -std::numeric_limits<float>::max();
