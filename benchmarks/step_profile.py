@@ -6,6 +6,7 @@ and medians reported, since the machines are shared and noisy.
 
     python -m benchmarks.step_profile --dtypes float32,bfloat16 --batch 1 --steps 64
     python -m benchmarks.step_profile --dtypes float32,float32/bfloat16 --batch 32   # dtype/KV cache dtype
+    python -m benchmarks.step_profile --dtypes float32/bfloat16,float32/bfloat16+int8  # --decode-dtype
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
     now = time.thread_time if cpu_time else time.perf_counter
     llms: dict[str, tuple[LLM, Clock]] = {}
     for dt in dtypes:
-        model_dtype, _, kv = dt.partition("/")  # "float32/bfloat16": a float32 model, a bfloat16 cache
+        # "float32/bfloat16": a float32 model, a bfloat16 cache; "+int8": --decode-dtype int8
+        base, _, decode = dt.partition("+")
+        model_dtype, _, kv = base.partition("/")
         llm = LLM(dtype=model_dtype, num_threads=threads, max_num_seqs=max(batch, 1),
-                  kv_cache_dtype=kv or "auto")
+                  kv_cache_dtype=kv or "auto", decode_dtype=decode or "auto")
         clock = Clock(now)
         instrument(llm, clock)
         llms[dt] = (llm, clock)
@@ -133,7 +136,8 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="comma-separated dtypes to compare; DTYPE/KV sets the KV cache dtype too")
+                    help="comma-separated dtypes to compare; DTYPE/KV sets the KV cache dtype too, "
+                         "+int8 --decode-dtype int8")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per dtype")

@@ -12,6 +12,7 @@ Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 PREFILL_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
+DECODE_DTYPES = ("auto", "int8")  # auto: the model's dtype (engine/layers/packed_linear.py)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -28,6 +29,9 @@ class ModelConfig:
     # bfloat16: a float32 model's prompt tokens through bfloat16 projections
     # (AVX512-BF16), every other token exact; auto: every token in `dtype`.
     prefill_dtype: str = "auto"
+    # int8: a float32 model's generated tokens (decodes, drafts) through its 4-bit
+    # layers with x quantized to int8 per block of 32 inputs; auto: in `dtype`.
+    decode_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -35,6 +39,9 @@ class ModelConfig:
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise ValueError(f"prefill_dtype: must be one of {', '.join(PREFILL_DTYPES)}, "
                              f"got {self.prefill_dtype!r}")
+        if self.decode_dtype not in DECODE_DTYPES:
+            raise ValueError(f"decode_dtype: must be one of {', '.join(DECODE_DTYPES)}, "
+                             f"got {self.decode_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -159,6 +166,7 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
                   device: str = ModelConfig.device, seed: int = ModelConfig.seed,
                   num_threads: int | None = None, attention_backend: str = ModelConfig.attention_backend,
                   prefill_dtype: str = ModelConfig.prefill_dtype,
+                  decode_dtype: str = ModelConfig.decode_dtype,
                   block_size: int = CacheConfig.block_size, kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                   kv_cache_memory: float = CacheConfig.kv_cache_memory,
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
@@ -177,7 +185,8 @@ def engine_config(*, model: str | None = None, dtype: str = ModelConfig.dtype,
                    else SpeculativeConfig.from_dict(speculative_config))
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
-                          attention_backend=attention_backend, prefill_dtype=prefill_dtype),
+                          attention_backend=attention_backend, prefill_dtype=prefill_dtype,
+                          decode_dtype=decode_dtype),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
                           kv_cache_dtype=kv_cache_dtype),

@@ -13,9 +13,9 @@ from engine.vocab.cache_events import CacheEvent
 class KVCacheManager(BlockTables):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  prompt_blocks_only: bool = False) -> None:
-        """prompt_blocks_only (prefill_dtype=bfloat16): register only blocks
-        full of the request's own prompt tokens.  Their KV came from the
-        bfloat16 path, a generated token's from the exact one; a later prompt
+        """prompt_blocks_only (prefill_dtype=bfloat16 or decode_dtype=int8):
+        register only blocks full of the request's own prompt tokens.  Their
+        KV came from the prompt path, a generated token's from another; a later prompt
         holding those generated tokens (the next turn of a chat) computes
         them as prompt tokens, so a hit on their blocks would give it other
         values than computing them would."""

@@ -34,6 +34,7 @@ class LLM:
                  attention_backend: str = ModelConfig.attention_backend,
                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                  prefill_dtype: str = ModelConfig.prefill_dtype,
+                 decode_dtype: str = ModelConfig.decode_dtype,
                  speculative_config: dict[str, Any] | None = None,
                  enable_lora: bool = LoRAConfig.enable_lora,
                  max_loras: int = LoRAConfig.max_loras,
@@ -45,15 +46,18 @@ class LLM:
             fp8_e5m2 (engine/layers/kv_quant.py).
         prefill_dtype: auto (every token in the model's dtype) or bfloat16 (a float32 model on a CPU
             with AVX512-BF16: prompt tokens through bfloat16 projections, twice as fast; generated
-            tokens stay exact)."""
+            tokens stay exact).
+        decode_dtype: auto (generated tokens in the model's dtype) or int8 (a float32 model's
+            4-bit layers: generated tokens' inputs quantized to int8 per block of 32, integer dot
+            products, AVX512-VNNI where present; prompt tokens keep their path)."""
         config = engine_config(
             model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             num_blocks=num_blocks, scheduling_policy=scheduling_policy, seed=seed, device=device,
             num_threads=num_threads, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-            prefill_dtype=prefill_dtype, speculative_config=speculative_config, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank)
+            prefill_dtype=prefill_dtype, decode_dtype=decode_dtype, speculative_config=speculative_config,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

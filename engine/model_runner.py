@@ -208,12 +208,18 @@ class ModelRunner:
         self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
                                     s.head_dim), self.kv_dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
-        # prefill_dtype=bfloat16: the prompt rows of each step, set around its forward.
+        # prefill_dtype=bfloat16 or decode_dtype=int8: the prompt rows of each step, set
+        # around its forward.
         self.prompt_rows: PromptRows | None = None
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
-        if model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16:
-            self.prompt_rows = self._bf16_prompts()
+        self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
+        self.decode_dtype = ""  # what generated tokens compute in, if not the model's dtype
+        if model_config.decode_dtype == "int8":
+            self.prompt_rows = self._int8_decodes()
+            self.decode_dtype = "int8"
+        if self.bf16_prompts:
+            self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
             self.bf16_attention = attention is not None and attention.prefill_bf16_supported()
             if not self.bf16_attention:
@@ -230,9 +236,26 @@ class ModelRunner:
     @property
     def prefill_dtype(self) -> str:
         """What prompt tokens compute in, if not the model's dtype: "bfloat16" or ""."""
-        return "bfloat16" if self.prompt_rows is not None else ""
+        return "bfloat16" if self.bf16_prompts else ""
 
-    def _bf16_prompts(self) -> PromptRows:
+    def _int8_decodes(self) -> PromptRows:
+        kernel = load_linear_kernel() if self.device.type == "cpu" else None
+        if self.dtype != torch.float32 or kernel is None:
+            raise ValueError("decode_dtype: int8 needs a float32 model on a CPU "
+                             f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
+                             f"{self.device.type}, CPU kernels {'built' if kernel else 'unavailable'})")
+        layer = self.model.layers[0].qkv_proj
+        if not isinstance(layer, PackedLinear) or layer.q4 is None:
+            raise ValueError("decode_dtype: int8 needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or GPTQ) "
+                             "on the packed CPU projections")
+        if not kernel.i8_vnni_supported():
+            log.warning("decode_dtype int8: this CPU lacks AVX512-VNNI/VBMI; the int8 kernel runs "
+                        "portable code (the same results, slower)")
+        rows = PromptRows()
+        self.model.enable_int8_decodes(rows)
+        return rows
+
+    def _bf16_prompts(self, rows: PromptRows | None) -> PromptRows:
         kernel = load_linear_kernel() if self.device.type == "cpu" else None
         if self.dtype != torch.float32 or kernel is None or not kernel.bf16_supported():
             raise ValueError("prefill_dtype: bfloat16 needs a float32 model on a CPU with AVX512-BF16 "
@@ -240,7 +263,7 @@ class ModelRunner:
                              f"{self.device.type}, CPU kernels {'built' if kernel else 'unavailable'})")
         if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
             raise ValueError("prefill_dtype: bfloat16 needs the packed CPU projections")
-        return self.model.enable_bf16_prompts()
+        return self.model.enable_bf16_prompts(rows)
 
     def mark_prompt_rows(self, meta: AttentionMetadata, rows: Iterable[tuple[int, int]]) -> None:
         """prefill_dtype bfloat16: the next forward's rows by path, per scheduled

@@ -43,7 +43,7 @@ from services.worker_flags import (
 )
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "kv_cache_memory", "kv_cache_dtype",
-                "prefill_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "prefill_dtype", "decode_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "scheduling_policy", "seed", "num_blocks")
 
 

@@ -12,6 +12,7 @@ import socket
 from typing import Any
 
 from engine.config import (
+    DECODE_DTYPES,
     DTYPES,
     KV_CACHE_DTYPES,
     PREFILL_DTYPES,
@@ -60,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: prompts in --dtype; bfloat16: a float32 model's prompt tokens through "
                         "bfloat16 projections (CPUs with AVX512-BF16; about twice as fast), generated "
                         "tokens stay exact; prefill and decode must agree")
+    g.add_argument("--decode-dtype", default=ModelConfig.decode_dtype, choices=DECODE_DTYPES,
+                   help="auto: generated tokens in --dtype; int8: a float32 model's generated tokens "
+                        "through its 4-bit layers with inputs quantized to int8 per block of 32 "
+                        "(integer dot products, AVX512-VNNI where present); prompt tokens keep their path")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
@@ -79,7 +84,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `LLM(...)` / `engine_config(...)` keywords."""
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-                prefill_dtype=args.prefill_dtype, max_model_len=args.max_model_len,
+                prefill_dtype=args.prefill_dtype, decode_dtype=args.decode_dtype,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=not args.no_prefix_caching,

@@ -247,16 +247,24 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             cast(LlamaLayer, layer).fused = kernel
 
-    def enable_bf16_prompts(self) -> PromptRows:
+    def enable_bf16_prompts(self, rows: PromptRows | None = None) -> PromptRows:
         """prefill_dtype=bfloat16: every layer's projections (not the head)
         also hold bfloat16 panels and run the rows the returned PromptRows
-        names, set per step, on them."""
-        rows = PromptRows()
+        (`rows`, or new) names, set per step, on them."""
+        rows = rows if rows is not None else PromptRows()
         for path in self.linear_names():
             layer = self.get_submodule(path)
             if path != "lm_head" and isinstance(layer, PackedLinear):
                 layer.enable_bf16(rows)
         return rows
+
+    def enable_int8_decodes(self, rows: PromptRows) -> None:
+        """decode_dtype=int8: every layer's 4-bit projections (not the head)
+        run the rows `rows` does not mark as prompt tokens on int8 inputs."""
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if path != "lm_head" and isinstance(layer, PackedLinear):
+                layer.enable_int8(rows)
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -50,11 +50,13 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 # per-tensor 97.40% (99.45%) on the same float32 path.
 DECIDED = 0.25
 MIN_AGREEMENT = {"fp8_e4m3": (0.95, 0.99), "fp8_e5m2": (0.90, 0.95), "bf16_model": (0.95, 0.99),
-                 "bfloat16": (0.99, 0.99), "bf16_prefill": (0.99, 0.99)}
+                 "bfloat16": (0.99, 0.99), "bf16_prefill": (0.99, 0.99), "int8_decode": (0.94, 0.98)}
 
 
-def _runner(model_dir, dtype: str, kv: str, prefill: str = "auto") -> ModelRunner:  # type: ignore[no-untyped-def]
-    return ModelRunner(model_dir, ModelConfig(dtype=dtype, device="cpu", prefill_dtype=prefill),
+def _runner(model_dir, dtype: str, kv: str, prefill: str = "auto",  # type: ignore[no-untyped-def]
+            decode: str = "auto") -> ModelRunner:
+    return ModelRunner(model_dir, ModelConfig(dtype=dtype, device="cpu", prefill_dtype=prefill,
+                                              decode_dtype=decode),
                        CacheConfig(kv_cache_memory=BUDGET, kv_cache_dtype=kv))
 
 
@@ -73,7 +75,7 @@ def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[l
     logprobs = []
     for step in range(STEPS):
         ids, pos, meta = build_inputs(chunks, bs, runner.device)
-        if runner.prompt_rows is not None:  # prefill_dtype=bfloat16: step 0's rows are the prompts
+        if runner.prompt_rows is not None:  # bfloat16 prompts or int8 decodes: step 0's rows are the prompts
             runner.mark_prompt_rows(meta, [(len(c.token_ids), len(c.token_ids) if step == 0 else 0)
                                            for c in chunks])
         hidden = runner.model(ids, pos, runner.kv_cache, meta, runner.attn)
@@ -104,7 +106,8 @@ def greedy(reference, corpus):  # type: ignore[no-untyped-def]
     return teacher_forced(reference, corpus, None)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "bf16_model", "bf16_prefill"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "bf16_model", "bf16_prefill",
+                                "int8_decode"])
 def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> None:  # type: ignore[no-untyped-def]
     """fp8 and bfloat16 caches in a float32 model against its float32 cache;
     bf16_model (a bfloat16 model and cache) is the yardstick; bf16_prefill: a
@@ -116,6 +119,9 @@ def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> 
                         "bfloat16 needs")
         runner = _runner(model_dir, "float32", "auto", "bfloat16")
         assert runner.prompt_rows is not None and runner.kv_cache.dtype == torch.float32
+    elif kv == "int8_decode":  # every CPU: the portable kernel where VNNI is missing
+        runner = _runner(model_dir, "float32", "auto", decode="int8")
+        assert runner.decode_dtype == "int8" and runner.model.layers[0].qkv_proj.int8
     else:
         runner = _runner(model_dir, *(("bfloat16", "auto") if kv == "bf16_model" else ("float32", kv)))
         assert runner.kv_cache.dtype.itemsize == (2 if kv in ("bf16_model", "bfloat16") else 1)

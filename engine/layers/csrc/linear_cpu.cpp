@@ -120,34 +120,49 @@ __attribute__((optimize("no-fast-math"))) void block_sums(const float* x, int64_
   }
 }
 
+// A linear call's operands, checked: x as [M, K] rows, y [M, N] (`out` or
+// new), the bias (or none), and the shape y takes back (x's, N features).
+struct LinearCall {
+  at::Tensor x2, y, bias;
+  std::vector<int64_t> sizes;
+  int64_t M;
+  const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+
+LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t K, int64_t N,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
+  TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
+  LinearCall c;
+  c.x2 = x.reshape({-1, K}).contiguous();
+  c.M = c.x2.size(0);
+  c.sizes = x.sizes().vec();
+  c.sizes.back() = N;
+  if (out.has_value() && out->defined()) {  // rows of a bigger output (a step's rows split between paths)
+    c.y = *out;
+    TORCH_CHECK(c.y.scalar_type() == at::kFloat && c.y.dim() == 2 && c.y.size(0) == c.M && c.y.size(1) == N &&
+                    c.y.stride(1) == 1 && c.y.stride(0) == N,
+                name, ": out must be a contiguous [", c.M, ", ", N, "] float32 tensor");
+  } else {
+    c.y = at::empty({c.M, N}, c.x2.options());
+  }
+  if (bias.has_value() && bias->defined()) {
+    c.bias = bias->contiguous();
+    TORCH_CHECK(c.bias.scalar_type() == at::kFloat && c.bias.numel() == N, name, ": bias must be [N] float32");
+  }
+  return c;
+}
+
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
-  TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y;
-  if (out.has_value() && out->defined()) {  // rows of a bigger output (a step's rows split between paths)
-    y = *out;
-    TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == M && y.size(1) == N &&
-                    y.stride(1) == 1 && y.stride(0) == N,
-                name, ": out must be a contiguous [", M, ", ", N, "] float32 tensor");
-  } else {
-    y = at::empty({M, N}, x2.options());
-  }
-  if (M == 0) return y.view(sizes);
-  const float* bp = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, name, ": bias must be [N] float32");
-    bp = bc.data_ptr<float>();
-  }
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
+  const at::Tensor &x2 = call.x2, &y = call.y;
+  const int64_t M = call.M;
+  if (M == 0) return y.view(call.sizes);
+  const float* bp = call.bp();
   const float* xp = x2.data_ptr<float>();
   int64_t ldx = K;
   at::Tensor pairs;
@@ -200,7 +215,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
                rows, bp, col0, cols, yp + m0 * N, N);
     }
   });
-  return y.view(sizes);
+  return y.view(call.sizes);
 }
 
 }  // namespace
@@ -264,6 +279,63 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, c
   const int64_t K = blocks.size(1) * QB;
   const Panels w{isa().q4, blocks.data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, true};
   return run_linear("q4_linear", x, w, blocks.size(0), K, N, bias, out);
+}
+
+// ---- int8 rows (decode_dtype=int8): generated tokens times 4-bit blocks ----
+
+bool i8_vnni_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return isa_supported("avx512") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+// The kernel q4i8_linear runs: the VNNI one where the CPU has it and the
+// projections run on AVX-512 (set_isa can turn it off to compare), else the set's own.
+Q4I8Rows q4i8_kernel() {
+  static const bool vnni = i8_vnni_supported();
+  return vnni && &isa() == &kAvx512Kernels ? kQ4I8Vnni : isa().q4i8;
+}
+
+at::Tensor q4i8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
+              "q4i8_linear: blocks must be uint8 [P, K/32, 384]");
+  const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
+  const LinearCall call = linear_call("q4i8_linear", x, P, K, N, bias, out);
+  const at::Tensor &x2 = call.x2, &y = call.y;
+  const int64_t M = call.M;
+  if (M == 0) return y.view(call.sizes);
+  const float* bp = call.bp();
+  auto xq = at::empty({M, K}, x2.options().dtype(at::kChar));
+  auto scales = at::empty({2, M, KB}, x2.options());
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* dxp = scales.data_ptr<float>();
+  float* sxp = dxp + M * KB;
+  const float* xp = x2.data_ptr<float>();
+  const QuantizeI8 quantize = isa().quantize_i8;
+  parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
+    quantize(xp + begin * K, (end - begin) * KB, xqp + begin * K, dxp + begin * KB, sxp + begin * KB);
+  });
+  const Q4I8Rows kernel = q4i8_kernel();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const int64_t pbytes = KB * Q4_BLOCK_BYTES;
+  float* yp = y.data_ptr<float>();
+  // Tasks are (row chunk, group of G panels) as in run_linear; G = 4 suits both
+  // of the VNNI kernel's shapes (4 panels at a time, or 2 decoded).
+  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK, G = 4, groups = (P + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
+  parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
+      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
+      kernel(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, sxp + m0 * KB, KB, rows, bp, p * NR,
+             std::min(np * NR, N - p * NR), yp + m0 * N, N);
+    }
+  });
+  return y.view(call.sizes);
 }
 
 // The weights q8 blocks stand for, [N, K] float32 (for checking a packing).
@@ -506,6 +578,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
   m.def("q4_unpack", &q4_unpack, "the float32 weights q4 blocks stand for");
+  m.def("q4i8_linear", &q4i8_linear, nogil(),
+        "x @ W.T (+ bias) with W as exact 4-bit blocks and x quantized to int8 per block of 32 inputs",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
+  m.def("i8_vnni_supported", &i8_vnni_supported,
+        "whether q4i8_linear runs its AVX512-VNNI kernel here (else portable code, the same bits)");
   m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());

@@ -415,6 +415,197 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
     }
 }
 
+// decode_dtype=int8 (linear_isa_api.h): 4-bit blocks times int8 rows.  The
+// portable form, one panel and row at a time; the integer sums are exact and
+// the fold is the VNNI kernel's, so both give the same bits.
+void q4i8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+               const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+               int64_t cols, float* y, int64_t ldy) {
+  const uint8_t* base = static_cast<const uint8_t*>(panels);
+  for (int64_t n = 0; n < np; ++n) {
+    const int64_t nc = min64(NR, cols - n * NR);
+    for (int64_t i = 0; i < rows; ++i) {
+      float acc[NR] = {};
+      for (int64_t kb = 0; kb < K / QB; ++kb) {
+        const uint8_t* blk = base + n * pbytes + kb * Q4_BLOCK_BYTES;
+        const float* d = reinterpret_cast<const float*>(blk);
+        const uint8_t* nib = blk + 2 * NR * 4;
+        const int8_t* x = xq + i * ldx + kb * QB;
+        int32_t s[NR] = {};
+        for (int64_t kk = 0; kk < QB; ++kk)
+          for (int64_t j = 0; j < NR / 2; ++j) {
+            s[j] += (nib[kk * 8 + j] & 0x0F) * x[kk];
+            s[j + NR / 2] += (nib[kk * 8 + j] >> 4) * x[kk];
+          }
+        const float xd = dx[i * ldxs + kb], xsum = sx[i * ldxs + kb];
+        for (int64_t j = 0; j < NR; ++j)
+          acc[j] = __builtin_fmaf(xsum, d[NR + j], __builtin_fmaf(d[j] * xd, static_cast<float>(s[j]), acc[j]));
+      }
+      float* out = y + i * ldy + col0 + n * NR;
+      for (int64_t j = 0; j < nc; ++j) out[j] = bias ? acc[j] + bias[col0 + n * NR + j] : acc[j];
+    }
+  }
+}
+
+#if defined(SPLITSERVE_ISA_VNNI)
+// The same with vpdpbusd: a 64-byte vector of the panel holds, per column j
+// (32-bit lane j), its q values of 4 consecutive inputs, and one x broadcast
+// (those 4 inputs' int8 values) adds all 16 columns' 4 products to their
+// int32 sums.  The block's nibbles (8 bytes an input: column j low, j + 8
+// high) reach that order through one vpermt2b per 4 inputs.  Few rows read
+// the nibbles as they go; more rows decode NP_I8D panels once per call into a
+// buffer every row tile reads.
+constexpr int MR_I8 = 4, NP_I8 = 4;    // few rows: 4 x 4 int32 sums, 16 float32 outputs
+constexpr int MR_I8D = 6, NP_I8D = 2;  // decoded panels: 6 x 2 (+ 12 outputs)
+constexpr int64_t I8D_BLOCK_BYTES = 2 * NR * 4 + QB * NR;  // d, m, then 8 groups of 4 inputs x 16 columns
+
+// vpermt2b indices: group g (inputs 4g..4g+3 of 8 rows of nibbles, low nibbles
+// first source, high second) -> column j's 4 bytes at lane j.
+inline __m512i i8_index(int g) {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < NR; ++j)
+    for (int i = 0; i < 4; ++i) idx[4 * j + i] = static_cast<uint8_t>((j < 8 ? 0 : 64) + 8 * (4 * g + i) + (j & 7));
+  return _mm512_load_si512(idx);
+}
+
+// 8 inputs' nibbles (64 bytes) -> two groups of 4 inputs in vpdpbusd's order.
+inline void i8_groups(const uint8_t* nib, __m512i idx0, __m512i idx1, __m512i& g0, __m512i& g1) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(nib);
+  const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  g0 = _mm512_permutex2var_epi8(lo, idx0, hi);
+  g1 = _mm512_permutex2var_epi8(lo, idx1, hi);
+}
+
+inline __m512i x4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// acc += d * dx * s + m * sx for one block (the portable kernel's order).
+inline __m512 i8_fold(__m512 acc, __m512i s, __m512 d, __m512 m, float xd, float xsum) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(xsum), m, _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd)),
+                                                                   _mm512_cvtepi32_ps(s), acc));
+}
+
+// R rows x NP panels read from their nibbles (dec == false: p the blocks,
+// pbytes apart) or from decoded panels (dec: p the buffer, pbytes apart).
+template <bool DEC, int R, int NP>
+void i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
+             const float* sx, int64_t ldxs, float* tile) {
+  const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
+  constexpr int64_t BB = DEC ? I8D_BLOCK_BYTES : Q4_BLOCK_BYTES;
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    if constexpr (!DEC) {
+      const int64_t ahead = kb + Q4_AHEAD < K / QB ? kb + Q4_AHEAD : kb + Q4_AHEAD - K / QB + NP * (K / QB);
+      for (int n = 0; n < NP; ++n) prefetch_block(p + n * pbytes + ahead * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    }
+    __m512i s[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NP; ++n) s[r][n] = _mm512_setzero_si512();
+    for (int h = 0; h < QB / 8; ++h) {
+      __m512i w[NP][2];
+      for (int n = 0; n < NP; ++n) {
+        const uint8_t* b = p + n * pbytes + kb * BB + 2 * NR * 4;
+        if constexpr (DEC) {
+          w[n][0] = _mm512_loadu_si512(b + h * 128);
+          w[n][1] = _mm512_loadu_si512(b + h * 128 + 64);
+        } else {
+          i8_groups(b + h * 64, idx0, idx1, w[n][0], w[n][1]);
+        }
+      }
+      for (int g = 0; g < 2; ++g)
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = x4(xq + r * ldx + kb * QB + h * 8 + g * 4);
+          for (int n = 0; n < NP; ++n) s[r][n] = _mm512_dpbusd_epi32(s[r][n], w[n][g], xb);
+        }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const float* dm = reinterpret_cast<const float*>(p + n * pbytes + kb * BB);
+      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
+      for (int r = 0; r < R; ++r) acc[r][n] = i8_fold(acc[r][n], s[r][n], d, m, dx[r * ldxs + kb], sx[r * ldxs + kb]);
+    }
+  }
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, acc[r][n]);
+}
+
+template <bool DEC, int R, int NP>
+void i8_rows(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
+             const float* sx, int64_t ldxs, int64_t rows, float* tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return i8_rows<DEC, R - 1, NP>(p, pbytes, K, xq, ldx, dx, sx, ldxs, rows, tile);
+  }
+  i8_tile<DEC, R, NP>(p, pbytes, K, xq, ldx, dx, sx, ldxs, tile);
+}
+
+// A panel's blocks -> the decoded layout (d, m as stored; the nibbles as groups).
+inline void i8_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
+  const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q4_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    uint8_t* o = out + kb * I8D_BLOCK_BYTES;
+    std::memcpy(o, blk, 2 * NR * 4);
+    for (int h = 0; h < QB / 8; ++h) {
+      __m512i g0, g1;
+      i8_groups(blk + 2 * NR * 4 + h * 64, idx0, idx1, g0, g1);
+      _mm512_storeu_si512(o + 2 * NR * 4 + h * 128, g0);
+      _mm512_storeu_si512(o + 2 * NR * 4 + h * 128 + 64, g1);
+    }
+  }
+}
+
+void q4i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                    const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+                    int64_t cols, float* y, int64_t ldy) {
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  alignas(64) float tile[MR_I8D * NR * NP_I8];
+  auto store = [&](int64_t n, int64_t pn, int64_t m, int64_t r) {
+    for (int64_t j = 0; j < pn; ++j)
+      store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
+  };
+  if (rows <= 4 * MR_I8) {  // read the nibbles as they go, MR_I8 rows at a time
+    for (int64_t n = 0; n < np; n += NP_I8) {
+      const int64_t pn = min64(NP_I8, np - n);
+      for (int64_t m = 0; m < rows; m += MR_I8) {
+        const int64_t r = min64(MR_I8, rows - m);
+        const int8_t* x = xq + m * ldx;
+        if (pn == NP_I8)
+          i8_rows<false, MR_I8, NP_I8>(p + n * pbytes, pbytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
+        else
+          for (int64_t j = 0; j < pn; ++j)
+            i8_rows<false, MR_I8, 1>(p + (n + j) * pbytes, pbytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r,
+                                     tile + j * r * NR);
+        store(n, pn, m, r);
+      }
+    }
+    return;
+  }
+  const int64_t dec_bytes = K / QB * I8D_BLOCK_BYTES;
+  thread_local std::vector<uint8_t> dec;
+  dec.resize(static_cast<size_t>(NP_I8D * dec_bytes));
+  const int64_t ft = (rows + MR_I8D - 1) / MR_I8D;
+  for (int64_t n = 0; n < np; n += NP_I8D) {
+    const int64_t pn = min64(NP_I8D, np - n);
+    for (int64_t j = 0; j < pn; ++j) i8_decode_panel(p + (n + j) * pbytes, K, dec.data() + j * dec_bytes);
+    for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
+      const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
+      const int8_t* x = xq + m * ldx;
+      if (pn == NP_I8D)
+        i8_rows<true, MR_I8D, NP_I8D>(dec.data(), dec_bytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
+      else
+        i8_rows<true, MR_I8D, 1>(dec.data(), dec_bytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
+      store(n, pn, m, r);
+    }
+  }
+}
+#endif
+
 // silu(g) * u, SW lanes at a time.  silu(g) = g * sigmoid(g), with sigmoid
 // through e = exp(-|g|), which never overflows (exp(-g) did, below g = -88:
 // inf, then NaN under -ffast-math): 1 / (1 + e) for g >= 0, e / (1 + e)
@@ -466,13 +657,57 @@ SILU_MATH void silu_mul_rows(const float* gate_up, int64_t I, int64_t rows, floa
   }
 }
 
+// decode_dtype=int8's quantization of x (linear_isa_api.h), 16 lanes of
+// GCC's vector extension (one AVX-512 register, two AVX2, four SSE2), no
+// fused or reordered arithmetic.  Rounding to nearest even by adding and
+// subtracting 1.5 * 2^23 (|x| <= 127 here), as the FPU rounds every set alike.
+typedef float qv __attribute__((vector_size(64)));
+typedef int32_t qi __attribute__((vector_size(64)));
+typedef float qv_u __attribute__((vector_size(64), aligned(4)));
+
+SILU_MATH inline qv qv_abs(qv v) {
+  qi b;
+  std::memcpy(&b, &v, sizeof(b));
+  b &= 0x7fffffff;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx) {
+  const qv magic = qv{} + 12582912.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const qv lo = *reinterpret_cast<const qv_u*>(x + b * QB), hi = *reinterpret_cast<const qv_u*>(x + b * QB + 16);
+    const qv a = qv_abs(lo), c = qv_abs(hi);
+    qv m = a > c ? a : c;  // lane maxima (a NaN makes the sum NaN below)
+    qv s = lo + hi;
+    float amax = 0.f;
+    for (int j = 0; j < 16; ++j) amax = m[j] > amax ? m[j] : amax;
+    float s8[8], s4[4];
+    for (int j = 0; j < 8; ++j) s8[j] = s[j] + s[j + 8];
+    for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
+    const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const qv rl = (lo * inv + magic) - magic, rh = (hi * inv + magic) - magic;
+    const qi il = __builtin_convertvector(rl, qi), ih = __builtin_convertvector(rh, qi);
+    for (int j = 0; j < 16; ++j) {
+      xq[b * QB + j] = static_cast<int8_t>(il[j]);
+      xq[b * QB + 16 + j] = static_cast<int8_t>(ih[j]);
+    }
+    dx[b] = amax / 127.f;
+    sx[b] = s2a + s2b;
+  }
+}
+
 }  // namespace
 
 #if defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
+#elif defined(SPLITSERVE_ISA_VNNI)
+extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
 #else
 extern const IsaKernels SPLITSERVE_ISA_TABLE = {
-    SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows};
+    SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows,
+    q4i8_rows,           quantize_i8};
 #endif
 
 }  // namespace splitserve_linear

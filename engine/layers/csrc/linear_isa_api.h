@@ -33,10 +33,30 @@ using RowsTimesPanels = void (*)(const void* panels, int64_t pbytes, int64_t np,
 // arithmetic is IEEE's, unfused, whatever the width).
 using SiluRows = void (*)(const float* gate_up, int64_t I, int64_t rows, float* out);
 
+// decode_dtype=int8: y[i, col0 + j] = sum over blocks b of
+//   fma(sx[i, b], m[b, j], fma(d[b, j] * dx[i, b], isum[i, b, j], acc))
+// in block order, isum the exact int32 sum over the block of q[k, j] * xq[i, k]:
+// 4-bit blocks (as q4) times rows of x quantized to int8 per block of 32
+// inputs (xq [rows, K] int8 rows ldx apart; dx, the block's scale, and sx, its
+// float32 sum, [rows, K/32] rows ldxs apart).  Integer sums are exact, so
+// every instruction set gives the same bits.
+using Q4I8Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                          const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias,
+                          int64_t col0, int64_t cols, float* y, int64_t ldy);
+
+// decode_dtype=int8's inputs: for each of `blocks` blocks of 32 floats of x,
+// dx = max |x| / 127, xq = x * (127 / max |x|) rounded to nearest even (a
+// block of zeros: scale 0, all 0), sx = the block's sum (pairs 16 apart, then
+// 8, 4, 2, 1: one order on every set).  IEEE operations lane by lane, so every
+// set gives the same bits.
+using QuantizeI8 = void (*)(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx);
+
 struct IsaKernels {
   const char* name;
   RowsTimesPanels f32, q4, q8;
   SiluRows silu_mul;
+  Q4I8Rows q4i8;  // portable C++ built for the set (the vector units only where the compiler finds them)
+  QuantizeI8 quantize_i8;
 };
 
 extern const IsaKernels kScalarKernels;
@@ -47,5 +67,8 @@ extern const IsaKernels kAvx512Kernels;
 // sums: AVX512-BF16 only (bf16_supported()).
 constexpr int64_t BF_TILE_ROWS = 12;
 extern const RowsTimesPanels kBf16Rows;
+// The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
+// shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
+extern const Q4I8Rows kQ4I8Vnni;
 
 }  // namespace splitserve_linear

@@ -1,0 +1,180 @@
+"""The int8 linear kernel (decode_dtype=int8): 4-bit blocks times x quantized
+to int8 per block of 32 inputs, its AVX512-VNNI and portable forms, and the
+split of a step's rows between it and the prompt path (PackedLinear)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.cpu_features import has
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, row_runs
+from tests.unit.test_linear_isa import q4_weight
+
+VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    return k
+
+
+@pytest.fixture
+def restore_isa(kernel) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    before = kernel.isa()
+    try:
+        yield
+    finally:
+        kernel.set_isa(before)
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (the int8 values as floats, their scale, the blocks' exact sums),
+    per block of 32 inputs [M, K/32, 32] / [M, K/32, 1], as the kernel quantizes."""
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xb * inv), amax / 127, xb.double().sum(-1, keepdim=True)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's arithmetic in float64: each block adds d * dx * sum(q xq) + m * sum(x)."""
+    n, k = w.shape
+    w3 = w.view(n, k // 32, 32)
+    m = w3.amin(-1)
+    d = ((w3.amax(-1) - m) / 15).half().float()
+    q = ((w3 - m[..., None]) / torch.where(d == 0, 1, d)[..., None]).round()
+    xq, dx, sx = quantized(x)
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.double())  # [M, N, K/32]
+    y = (dots * (d.double()[None] * dx.double().squeeze(-1)[:, None])).sum(-1) + sx.squeeze(-1) @ m.double().T
+    return y if b is None else y + b.double()
+
+
+# Rows around the few-rows tiles (4, 16) and the decoded tiles (6) and the
+# 192-row chunk; columns that are and are not whole groups of 4 panels.
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 25, 192, 193])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (96, 200), (576, 48)])
+def test_q4i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w = q4_weight(n, k_in, gen)
+    blocks = q4_blocks(w, kernel)
+    assert blocks is not None
+    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    y = kernel.q4i8_linear(x, blocks, n, b)
+    ref = reference(x, w, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5), (y.double() - ref).abs().max()
+    exact = kernel.q4_linear(x, blocks, n, b)
+    assert not torch.equal(y, exact)  # x was quantized: not the exact kernel's result
+    assert torch.allclose(y, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+
+
+def test_every_instruction_set_and_vnni_compute_the_same_bits(kernel, restore_isa) -> None:  # type: ignore[no-untyped-def]
+    """Integer sums are exact and every form folds them in the same order: the
+    VNNI kernel (AVX-512 where the CPU has VNNI and VBMI) and the portable one of
+    each set give the same bits."""
+    assert kernel.i8_vnni_supported() == VNNI_CPU  # the CPU's flags, not the build's luck
+    gen = torch.Generator().manual_seed(5)
+    w = q4_weight(200, 576, gen)
+    blocks = q4_blocks(w, kernel)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for name in kernel.supported_isas():
+        kernel.set_isa(name)
+        outs[name] = [kernel.q4i8_linear(torch.randn(m, 576, generator=torch.Generator().manual_seed(m)),
+                                         blocks, 200) for m in (1, 4, 7, 16, 17, 40)]
+    first = next(iter(outs.values()))
+    for name, ys in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(ys, first, strict=True)), name
+    if len(outs) == 1:
+        pytest.skip(f"this CPU runs only {list(outs)}: one form compared with itself")
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(7)
+    w = q4_weight(96, 128, gen)
+    blocks = q4_blocks(w, kernel)
+    x = torch.randn(200, 128, generator=gen)
+    whole = kernel.q4i8_linear(x, blocks, 96)
+    for lo, hi in ((0, 1), (5, 9), (17, 40), (3, 200), (199, 200)):
+        assert torch.equal(kernel.q4i8_linear(x[lo:hi], blocks, 96), whole[lo:hi])
+
+
+def test_zero_blocks_nan_and_inf(kernel) -> None:  # type: ignore[no-untyped-def]
+    """A block of zeros adds nothing (scale 0, no division by zero); a NaN or an
+    infinity in x comes out NaN or infinite, never a silent finite number."""
+    gen = torch.Generator().manual_seed(9)
+    w = q4_weight(16, 64, gen)
+    blocks = q4_blocks(w, kernel)
+    x = torch.randn(3, 64, generator=gen)
+    x[0, :32] = 0
+    y = kernel.q4i8_linear(x, blocks, 16)
+    assert torch.allclose(y.double(), reference(x, w), rtol=1e-5, atol=1e-5)
+    x[1, 3], x[2, 40] = float("nan"), float("inf")
+    y = kernel.q4i8_linear(x, blocks, 16)
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()
+    assert torch.isfinite(y[0]).all()
+
+
+def test_out_writes_only_its_rows_and_bad_input_is_refused(kernel) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(11)
+    w = q4_weight(40, 64, gen)
+    blocks = q4_blocks(w, kernel)
+    x = torch.randn(6, 64, generator=gen)
+    y = torch.full((10, 40), 7.0)
+    kernel.q4i8_linear(x, blocks, 40, out=y[2:8])
+    assert torch.equal(y[2:8], kernel.q4i8_linear(x, blocks, 40))
+    assert (y[:2] == 7).all() and (y[8:] == 7).all()
+    with pytest.raises(RuntimeError, match="q4i8_linear: x has 32 features, the weight 64"):
+        kernel.q4i8_linear(torch.randn(2, 32), blocks, 40)
+    with pytest.raises(RuntimeError, match="q4i8_linear: float32 activations only"):
+        kernel.q4i8_linear(x.double(), blocks, 40)
+    with pytest.raises(RuntimeError, match="q4i8_linear: blocks must be uint8"):
+        kernel.q4i8_linear(x, blocks.float(), 40)
+    with pytest.raises(RuntimeError, match="q4i8_linear: N does not match the panels"):
+        kernel.q4i8_linear(x, blocks, 80)
+
+
+def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Generated rows through the int8 kernel, prompt rows exact (or bfloat16
+    where both are on): each row equals what its path alone gives it."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(96, 50)
+    with torch.no_grad():
+        lin.weight.copy_(q4_weight(50, 96, gen))
+    layer = PackedLinear(lin, kernel)
+    rows = PromptRows()
+    layer.enable_int8(rows)
+    assert layer.int8
+    x = torch.randn(40, 96, generator=gen)
+    int8 = kernel.q4i8_linear(x, layer.q4, 50, layer.bias)
+    exact = kernel.q4_linear(x, layer.q4, 50, layer.bias)
+    assert torch.equal(layer.forward(x), int8)  # no runs: no prompt row
+    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
+    mixed = layer.forward(x)
+    for lo, hi, prompt in rows.runs:
+        assert torch.equal(mixed[lo:hi], (exact if prompt else int8)[lo:hi])
+    rows.runs = ((0, 40, True),)
+    assert torch.equal(layer.forward(x), exact)
+    if kernel.bf16_supported():  # both options: prompt rows bfloat16, the others int8
+        layer.enable_bf16(rows)
+        bf = kernel.bf16_linear(x, layer.bf16, 50, layer.bias)
+        rows.runs = row_runs([(3, 0), (37, 30)])
+        mixed = layer.forward(x)
+        assert torch.equal(mixed[:3], int8[:3]) and torch.equal(mixed[3:33], bf[3:33])
+        assert torch.equal(mixed[33:], int8[33:])
+    # a layer of float32 panels (not 4-bit) keeps its exact path
+    plain = PackedLinear(nn.Linear(64, 20), kernel)
+    plain.enable_int8(PromptRows())
+    assert not plain.int8 and plain.q4 is None
+
+
+def test_the_option_is_named_when_wrong() -> None:
+    with pytest.raises(ValueError, match="decode_dtype: must be one of auto, int8, got 'int4'"):
+        ModelConfig(decode_dtype="int4")
