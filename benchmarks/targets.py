@@ -117,12 +117,13 @@ class Server:
 
 
 def splitserve_up(prefill: int, decode: int, log: Path, dtype: str = "auto", kv: str = "auto",
-                  prompts: str = "auto") -> Server:
+                  prompts: str = "auto", decodes: str = "auto") -> Server:
     argv = [sys.executable, "-m", "services.cli", "up", "--prefill", str(prefill), "--decode", str(decode),
-            "--dtype", dtype, "--kv-cache-dtype", kv, "--prefill-dtype", prompts, "--port", str(free_port()),
-            "--grpc-port", str(free_port())]
+            "--dtype", dtype, "--kv-cache-dtype", kv, "--prefill-dtype", prompts, "--decode-dtype", decodes,
+            "--port", str(free_port()), "--grpc-port", str(free_port())]
     label = (f"splitserve {prefill}p+{decode}d" + ("" if dtype == "auto" else f" {dtype}")
-             + ("" if kv == "auto" else f" kv {kv}") + ("" if prompts == "auto" else f" prefill {prompts}"))
+             + ("" if kv == "auto" else f" kv {kv}") + ("" if prompts == "auto" else f" prefill {prompts}")
+             + ("" if decodes == "auto" else f" decode {decodes}"))
     return Server(label, argv, log=log)
 
 
@@ -240,6 +241,12 @@ def matmul_peak(threads: int) -> dict[str, float]:
         if kernel.bf16_supported():  # the prompts' kernel under --prefill-dtype bfloat16
             bf = kernel.pack_bf16(w)
             runs["bfloat16 packed kernel"] = lambda: kernel.bf16_linear(x, bf, n)
+        # --decode-dtype int8's kernel: 4-bit blocks times int8 inputs
+        from engine.layers.packed_linear import q4_layout
+
+        q4 = q4_layout(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
+                       torch.randn(n, k // 32) * 0.01)
+        runs["int8 packed kernel"] = lambda: kernel.q4i8_linear(x, q4, n)
     best: dict[str, float] = {}
     for name, f in runs.items():
         f()
@@ -254,7 +261,7 @@ def matmul_peak(threads: int) -> dict[str, float]:
 
 
 def dtype_peak(peak: dict[str, float], dtype: str) -> tuple[str, float]:
-    """The peak a server of `dtype` is held to: the best float32 matmul, or bf16's."""
+    """The peak a server of `dtype` is held to: the best float32 matmul, bf16's, or int8's."""
     rows = {k: v for k, v in peak.items() if k.startswith(dtype)}
     name = max(rows, key=lambda k: rows[k])
     return name, rows[name]
@@ -317,6 +324,9 @@ def main() -> int:
     p.add_argument("--prefill-dtype", default="auto",
                    help="splitserve's prefill dtype (bfloat16: a float32 model's prompt tokens through "
                         "bfloat16 projections; prefill is then held to the bfloat16 peak)")
+    p.add_argument("--decode-dtype", default="auto",
+                   help="splitserve's decode dtype (int8: a float32 model's generated tokens through "
+                        "its 4-bit layers with int8 inputs; batched decode is then held to the int8 peak)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     p.add_argument("--out", default=None, help="directory for logs and runs.jsonl")
     args = p.parse_args()
@@ -337,11 +347,13 @@ def main() -> int:
     params, layers, qdim = model_shape()
     ours: dict[str, str] = {}  # label -> dtype it serves
     prompts_in: dict[str, str] = {}  # label -> dtype its prompts compute in
+    decodes_in: dict[str, str] = {}  # label -> dtype its generated tokens compute in
     disagg_label = ""
 
     if only & {1, 5}:
-        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype,
-                           prompts=args.prefill_dtype) as disagg:
+        decodes = args.decode_dtype if served_dtype("auto") == "float32" else "auto"  # a float32 option
+        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype, prompts=args.prefill_dtype,
+                           decodes=decodes) as disagg:
             disagg_label = disagg.label
             if 5 in only:
                 ok = disagg.start_s <= 10
@@ -354,11 +366,14 @@ def main() -> int:
     for dtype in ("float32", "bfloat16") if native else ("float32",):
         if not only & {1, 2, 3, 4}:
             break
+        # --decode-dtype int8 is a float32 model's option: the bfloat16 stack keeps its decodes
+        decodes = args.decode_dtype if dtype == "float32" else "auto"
         with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype,
-                           args.prefill_dtype) as coloc:
+                           args.prefill_dtype, decodes) as coloc:
             ours[coloc.label] = served_dtype(dtype)
             prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
                                        else ours[coloc.label])
+            decodes_in[coloc.label] = "int8" if decodes == "int8" else ours[coloc.label]
             for t, w in ((1, "mixed"), (2, "single"), (3, "batch32")):
                 if t in only:
                     r.bench(coloc, w)
@@ -440,7 +455,7 @@ def main() -> int:
             line += "; llama.cpp not measured"
         report.append(line)
     if 3 in only:
-        for label, dtype in ours.items():
+        for label, dtype in decodes_in.items():
             s = done[f"{label} / batch32"]
             tps = 32 / (s["tpot_ms"]["p50"] / 1e3)  # decode tokens/s with 32 sequences running
             flops = 2 * params * tps
