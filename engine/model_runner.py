@@ -215,6 +215,7 @@ class ModelRunner:
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
         self.decode_dtype = ""  # what generated tokens compute in, if not the model's dtype
+        self.head_rows: PromptRows | None = None  # decode_dtype=int8: the head's rows by path
         if model_config.decode_dtype == "int8":
             self.prompt_rows = self._int8_decodes()
             self.decode_dtype = "int8"
@@ -251,8 +252,8 @@ class ModelRunner:
         if not kernel.i8_vnni_supported():
             log.warning("decode_dtype int8: this CPU lacks AVX512-VNNI/VBMI; the int8 kernel runs "
                         "portable code (the same results, slower)")
-        rows = PromptRows()
-        self.model.enable_int8_decodes(rows)
+        rows, self.head_rows = PromptRows(), PromptRows()
+        self.model.enable_int8_decodes(rows, self.head_rows)
         return rows
 
     def _bf16_prompts(self, rows: PromptRows | None) -> PromptRows:
@@ -347,14 +348,27 @@ class ModelRunner:
                     hidden[begin + span.start - s.start:begin + span.stop - s.start],
                     s.request.prompt_token_ids[span.start + 1:span.stop + 1],
                     s.request.params.prompt_logprobs or 0)
-        return self.model.compute_logits(hidden[rows]), prompt
+        return self._logits(hidden[rows], [(1 + len(s.spec_token_ids), int(last_known_is_prompt(s)))
+                                           for s in seqs if s.sample]), prompt
+
+    def _logits(self, hidden: torch.Tensor, rows: Iterable[tuple[int, int]]) -> torch.Tensor:
+        """The head over `hidden`'s rows, per group of them (its rows, how many
+        lead as prompt tokens): decode_dtype=int8 runs the others' on int8 inputs."""
+        if self.head_rows is None:
+            return self.model.compute_logits(hidden)
+        self.head_rows.runs = row_runs(rows)
+        try:
+            return self.model.compute_logits(hidden)
+        finally:
+            self.head_rows.runs = ()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenStats]:
         """hidden: [P, H] at prompt positions; targets: the token after each.
         In slices, so a long prompt never holds [P, V] logits at once."""
         out: list[TokenStats] = []
         for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-            logits = self.model.compute_logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
+            part = hidden[i:i + PROMPT_LOGPROB_ROWS]
+            logits = self._logits(part, [(len(part), len(part))])
             ids = torch.tensor(targets[i:i + PROMPT_LOGPROB_ROWS], device=logits.device)
             out += gather_logprobs(logits, ids, [k] * len(ids))
         return out
@@ -420,6 +434,12 @@ def prompt_logprob_positions(seq: ScheduledSeq) -> range:
     if seq.start > len(req.prompt_logprobs):  # a gap: prefix hits are refused for such requests
         return range(0)
     return range(lo, max(lo, hi))
+
+
+def last_known_is_prompt(seq: ScheduledSeq) -> bool:
+    """Whether a chunk's last known token (whose logits sample its next) is a
+    prompt token: the end of a prefill, not a decode."""
+    return prompt_tokens(seq) == seq.num_new_tokens - len(seq.spec_token_ids)
 
 
 def prompt_tokens(seq: ScheduledSeq) -> int:

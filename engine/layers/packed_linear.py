@@ -25,7 +25,8 @@ Under decode_dtype=int8 the 4-bit layers run every other token (decodes,
 drafts, outputs computed again) on kernel.q4i8_linear: x quantized to int8
 per block of 32 inputs (absmax scale), integer dot products with the q values
 (AVX512-VNNI where the CPU has it) and the block's d, m and float32 sum of x
-folded in float32.  About twice the exact kernel's rate at 16 rows and
+folded in float32; an 8-bit head the same way (q8i8_linear) for the logits
+of every token but a prompt's last.  About twice the exact kernel's rate at 16 rows and
 several times it at one row; prompt tokens keep their path.
 """
 
@@ -228,8 +229,8 @@ class PackedLinear(nn.Module):
 
     def enable_int8(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens with x quantized
-        to int8 (a 4-bit layer; any other keeps its exact path)."""
-        self.int8 = self.q4 is not None
+        to int8 (a layer of 4- or 8-bit blocks; any other keeps its exact path)."""
+        self.int8 = self.q4 is not None or self.q8 is not None
         self.prompt_rows = rows
 
     def stored(self) -> dict[str, torch.Tensor]:
@@ -258,7 +259,9 @@ class PackedLinear(nn.Module):
 
     def _generated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.int8:
-            return self.kernel.q4i8_linear(x, self.q4, self.out_features, self.bias, out=out)
+            if self.q4 is not None:
+                return self.kernel.q4i8_linear(x, self.q4, self.out_features, self.bias, out=out)
+            return self.kernel.q8i8_linear(x, self.q8, self.out_features, self.bias, out=out)
         return self._exact(x, out)
 
     def _exact(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

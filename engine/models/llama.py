@@ -258,13 +258,14 @@ class LlamaForCausalLM(nn.Module):
                 layer.enable_bf16(rows)
         return rows
 
-    def enable_int8_decodes(self, rows: PromptRows) -> None:
-        """decode_dtype=int8: every layer's 4-bit projections (not the head)
-        run the rows `rows` does not mark as prompt tokens on int8 inputs."""
+    def enable_int8_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
+        """decode_dtype=int8: every layer's 4-bit projections run the rows
+        `rows` does not mark as prompt tokens on int8 inputs, and a quantized
+        head (4- or 8-bit) those `head_rows` does not mark."""
         for path in self.linear_names():
             layer = self.get_submodule(path)
-            if path != "lm_head" and isinstance(layer, PackedLinear):
-                layer.enable_int8(rows)
+            if isinstance(layer, PackedLinear):
+                layer.enable_int8(head_rows if path == "lm_head" else rows)
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -42,7 +42,7 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_int8() -> None:
     i8 = _llm("int8")
     runner = i8.engine.runner
     assert runner.decode_dtype == "int8" and runner.model.layers[0].down_proj.int8
-    assert not runner.model.lm_head.int8  # the 8-bit head stays exact
+    assert runner.model.lm_head.int8 and runner.model.lm_head.q8 is not None  # the 8-bit head too
     assert i8.engine.kv.prompt_blocks_only
     ids = i8.tokenizer.encode(PROMPT)
     others = [i8.tokenizer.encode(p) for p in OTHERS]
@@ -66,9 +66,13 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_int8() -> None:
     assert warm2.num_cached_tokens == cached
     assert _tokens_and_logprobs(warm2) == _tokens_and_logprobs(fresh.generate(turn2, GREEDY)[0])
     # the float32 engine generates exactly: the prompt's logits are the same, the rest differ
-    exact = _tokens_and_logprobs(_llm("auto").generate(ids, GREEDY)[0])
-    assert exact[1][0] == cold[1][0]  # the first token comes from the prompt's last row: exact in both
+    auto = _llm("auto")
+    exact = _tokens_and_logprobs(auto.generate(ids, GREEDY)[0])
+    assert exact[1][0] == cold[1][0]  # the first token: the prompt's last row, exact in both (head too)
     assert exact[1][1:] != cold[1][1:]
+    # prompt logprobs are prompt rows: the exact head's
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    assert i8.generate(ids, scored)[0].prompt_logprobs == auto.generate(ids, scored)[0].prompt_logprobs
     print(f"\nlogprobs, float32 decodes {exact[1][:4]}, int8 decodes {cold[1][:4]}; "
           f"tokens equal: {exact[0] == cold[0]}")
 

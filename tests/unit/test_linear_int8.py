@@ -1,6 +1,6 @@
-"""The int8 linear kernel (decode_dtype=int8): 4-bit blocks times x quantized
-to int8 per block of 32 inputs, its AVX512-VNNI and portable forms, and the
-split of a step's rows between it and the prompt path (PackedLinear)."""
+"""The int8 linear kernels (decode_dtype=int8): 4-bit and 8-bit blocks times x
+quantized to int8 per block of 32 inputs, their AVX512-VNNI and portable forms,
+and the split of a step's rows between them and the prompt path (PackedLinear)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
-from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, row_runs
-from tests.unit.test_linear_isa import q4_weight
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
+from tests.unit.test_linear_isa import q4_weight, q8_weight
 
 VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
 
@@ -76,19 +76,38 @@ def test_q4i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> N
     assert torch.allclose(y, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [1, 4, 5, 17, 193])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (576, 200)])
+def test_q8i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    """8-bit blocks (the head): each block adds d * dx * sum(q xq), exact integers."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + 1)
+    w = q8_weight(n, k_in, gen)
+    blocks = q8_blocks(w, kernel)
+    assert blocks is not None
+    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    y = kernel.q8i8_linear(x, blocks, n, b)
+    xq, dx, _ = quantized(x)
+    ref = (xq * dx).view(m, k_in).double() @ w.double().T + b.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5), (y.double() - ref).abs().max()
+    assert not torch.equal(y, kernel.q8_linear(x, blocks, n, b))
+    with pytest.raises(RuntimeError, match="q8i8_linear: blocks must be uint8"):
+        kernel.q8i8_linear(x, q4_blocks(q4_weight(n, k_in, gen), kernel), n)
+
+
 def test_every_instruction_set_and_vnni_compute_the_same_bits(kernel, restore_isa) -> None:  # type: ignore[no-untyped-def]
     """Integer sums are exact and every form folds them in the same order: the
     VNNI kernel (AVX-512 where the CPU has VNNI and VBMI) and the portable one of
     each set give the same bits."""
     assert kernel.i8_vnni_supported() == VNNI_CPU  # the CPU's flags, not the build's luck
     gen = torch.Generator().manual_seed(5)
-    w = q4_weight(200, 576, gen)
-    blocks = q4_blocks(w, kernel)
+    blocks = q4_blocks(q4_weight(200, 576, gen), kernel)
+    head = q8_blocks(q8_weight(200, 576, gen), kernel)
     outs: dict[str, list[torch.Tensor]] = {}
     for name in kernel.supported_isas():
         kernel.set_isa(name)
-        outs[name] = [kernel.q4i8_linear(torch.randn(m, 576, generator=torch.Generator().manual_seed(m)),
-                                         blocks, 200) for m in (1, 4, 7, 16, 17, 40)]
+        xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (1, 4, 7, 16, 17, 40)]
+        pairs = ((kernel.q4i8_linear, blocks), (kernel.q8i8_linear, head))
+        outs[name] = [f(x, w, 200) for x in xs for f, w in pairs]
     first = next(iter(outs.values()))
     for name, ys in outs.items():
         assert all(torch.equal(a, b) for a, b in zip(ys, first, strict=True)), name
@@ -169,10 +188,17 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
         mixed = layer.forward(x)
         assert torch.equal(mixed[:3], int8[:3]) and torch.equal(mixed[3:33], bf[3:33])
         assert torch.equal(mixed[33:], int8[33:])
-    # a layer of float32 panels (not 4-bit) keeps its exact path
+    # an 8-bit layer (the head) takes q8i8_linear; one of float32 panels keeps its exact path
+    lin8 = nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        lin8.weight.copy_(q8_weight(40, 96, gen))
+    head = PackedLinear(lin8, kernel)
+    head.enable_int8(PromptRows())
+    assert head.int8 and head.q8 is not None
+    assert torch.equal(head.forward(x), kernel.q8i8_linear(x, head.q8, 40))
     plain = PackedLinear(nn.Linear(64, 20), kernel)
     plain.enable_int8(PromptRows())
-    assert not plain.int8 and plain.q4 is None
+    assert not plain.int8 and plain.q4 is None and plain.q8 is None
 
 
 def test_the_option_is_named_when_wrong() -> None:

@@ -294,48 +294,77 @@ bool i8_vnni_supported() {
 
 // The kernel q4i8_linear runs: the VNNI one where the CPU has it and the
 // projections run on AVX-512 (set_isa can turn it off to compare), else the set's own.
-Q4I8Rows q4i8_kernel() {
+// The kernels q4i8_linear and q8i8_linear run: the VNNI ones where the CPU has
+// them and the projections run on AVX-512 (set_isa can turn them off to
+// compare), else the set's own.
+bool use_vnni() {
   static const bool vnni = i8_vnni_supported();
-  return vnni && &isa() == &kAvx512Kernels ? kQ4I8Vnni : isa().q4i8;
+  return vnni && &isa() == &kAvx512Kernels;
 }
 
-at::Tensor q4i8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
-              "q4i8_linear: blocks must be uint8 [P, K/32, 384]");
+// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x quantized
+// to int8 first (linear_isa_api.h).
+at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == block_bytes, name,
+              ": blocks must be uint8 [P, K/32, ", block_bytes, "]");
   const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
-  const LinearCall call = linear_call("q4i8_linear", x, P, K, N, bias, out);
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
   const float* bp = call.bp();
   auto xq = at::empty({M, K}, x2.options().dtype(at::kChar));
-  auto scales = at::empty({2, M, KB}, x2.options());
+  auto scales = at::empty({3, M, KB}, x2.options());  // dx, sx, and xc (int32) for 8-bit blocks
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* dxp = scales.data_ptr<float>();
   float* sxp = dxp + M * KB;
+  int32_t* xcp = reinterpret_cast<int32_t*>(sxp + M * KB);
   const float* xp = x2.data_ptr<float>();
   const QuantizeI8 quantize = isa().quantize_i8;
   parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
     quantize(xp + begin * K, (end - begin) * KB, xqp + begin * K, dxp + begin * KB, sxp + begin * KB);
+    if (q8)
+      for (int64_t i = begin * KB; i < end * KB; ++i) {
+        int32_t c = 0;
+        for (int64_t k = 0; k < QB; ++k) c += xqp[i * QB + k];
+        xcp[i] = c;
+      }
   });
-  const Q4I8Rows kernel = q4i8_kernel();
+  const bool vnni = use_vnni();
+  const Q4I8Rows k4 = vnni ? kQ4I8Vnni : isa().q4i8;
+  const Q8I8Rows k8 = vnni ? kQ8I8Vnni : isa().q8i8;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t pbytes = KB * Q4_BLOCK_BYTES;
+  const int64_t pbytes = KB * block_bytes;
   float* yp = y.data_ptr<float>();
-  // Tasks are (row chunk, group of G panels) as in run_linear; G = 4 suits both
-  // of the VNNI kernel's shapes (4 panels at a time, or 2 decoded).
+  // Tasks are (row chunk, group of G panels) as in run_linear; G = 4 suits
+  // the VNNI kernels' shapes (4 panels at a time, or 2 decoded).
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK, G = 4, groups = (P + G - 1) / G;
   const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
   parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
-      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
-      kernel(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, sxp + m0 * KB, KB, rows, bp, p * NR,
-             std::min(np * NR, N - p * NR), yp + m0 * N, N);
+      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0), cols = std::min(np * NR, N - p * NR);
+      if (q8)
+        k8(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, xcp + m0 * KB, KB, rows, bp, p * NR, cols,
+           yp + m0 * N, N);
+      else
+        k4(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, sxp + m0 * KB, KB, rows, bp, p * NR, cols,
+           yp + m0 * N, N);
     }
   });
   return y.view(call.sizes);
+}
+
+at::Tensor q4i8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& out) {
+  return int8_linear("q4i8_linear", x, blocks, false, N, bias, out);
+}
+
+at::Tensor q8i8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& out) {
+  return int8_linear("q8i8_linear", x, blocks, true, N, bias, out);
 }
 
 // The weights q8 blocks stand for, [N, K] float32 (for checking a packing).
@@ -582,8 +611,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) with W as exact 4-bit blocks and x quantized to int8 per block of 32 inputs",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
+  m.def("q8i8_linear", &q8i8_linear, nogil(),
+        "x @ W.T (+ bias) with W as exact 8-bit blocks and x quantized to int8 per block of 32 inputs",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("i8_vnni_supported", &i8_vnni_supported,
-        "whether q4i8_linear runs its AVX512-VNNI kernel here (else portable code, the same bits)");
+        "whether q4i8_linear and q8i8_linear run their AVX512-VNNI kernels here (else portable code, the same bits)");
   m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());

@@ -415,36 +415,53 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
     }
 }
 
-// decode_dtype=int8 (linear_isa_api.h): 4-bit blocks times int8 rows.  The
-// portable form, one panel and row at a time; the integer sums are exact and
-// the fold is the VNNI kernel's, so both give the same bits.
-void q4i8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+// decode_dtype=int8 (linear_isa_api.h): 4-bit (Q8 false) or 8-bit blocks
+// times int8 rows.  The portable form, one panel and row at a time; the
+// integer sums are exact and the fold is the VNNI kernels', so all give the
+// same bits.  `sx`: 4-bit blocks' float32 sums of x (8-bit blocks need none).
+template <bool Q8>
+void int8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
                const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
                int64_t cols, float* y, int64_t ldy) {
   const uint8_t* base = static_cast<const uint8_t*>(panels);
+  constexpr int64_t BB = Q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
   for (int64_t n = 0; n < np; ++n) {
     const int64_t nc = min64(NR, cols - n * NR);
     for (int64_t i = 0; i < rows; ++i) {
       float acc[NR] = {};
       for (int64_t kb = 0; kb < K / QB; ++kb) {
-        const uint8_t* blk = base + n * pbytes + kb * Q4_BLOCK_BYTES;
+        const uint8_t* blk = base + n * pbytes + kb * BB;
         const float* d = reinterpret_cast<const float*>(blk);
-        const uint8_t* nib = blk + 2 * NR * 4;
         const int8_t* x = xq + i * ldx + kb * QB;
         int32_t s[NR] = {};
-        for (int64_t kk = 0; kk < QB; ++kk)
-          for (int64_t j = 0; j < NR / 2; ++j) {
-            s[j] += (nib[kk * 8 + j] & 0x0F) * x[kk];
-            s[j + NR / 2] += (nib[kk * 8 + j] >> 4) * x[kk];
-          }
-        const float xd = dx[i * ldxs + kb], xsum = sx[i * ldxs + kb];
-        for (int64_t j = 0; j < NR; ++j)
-          acc[j] = __builtin_fmaf(xsum, d[NR + j], __builtin_fmaf(d[j] * xd, static_cast<float>(s[j]), acc[j]));
+        const float xd = dx[i * ldxs + kb];
+        if constexpr (Q8) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(blk + NR * 4);
+          for (int64_t kk = 0; kk < QB; ++kk)
+            for (int64_t j = 0; j < NR; ++j) s[j] += q[kk * NR + j] * x[kk];
+          for (int64_t j = 0; j < NR; ++j) acc[j] = __builtin_fmaf(d[j] * xd, static_cast<float>(s[j]), acc[j]);
+        } else {
+          const uint8_t* nib = blk + 2 * NR * 4;
+          for (int64_t kk = 0; kk < QB; ++kk)
+            for (int64_t j = 0; j < NR / 2; ++j) {
+              s[j] += (nib[kk * 8 + j] & 0x0F) * x[kk];
+              s[j + NR / 2] += (nib[kk * 8 + j] >> 4) * x[kk];
+            }
+          const float xsum = sx[i * ldxs + kb];
+          for (int64_t j = 0; j < NR; ++j)
+            acc[j] = __builtin_fmaf(xsum, d[NR + j], __builtin_fmaf(d[j] * xd, static_cast<float>(s[j]), acc[j]));
+        }
       }
       float* out = y + i * ldy + col0 + n * NR;
       for (int64_t j = 0; j < nc; ++j) out[j] = bias ? acc[j] + bias[col0 + n * NR + j] : acc[j];
     }
   }
+}
+
+void q8i8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+               const float* dx, const int32_t*, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+               int64_t cols, float* y, int64_t ldy) {
+  int8_rows<true>(panels, pbytes, np, K, xq, ldx, dx, nullptr, ldxs, rows, bias, col0, cols, y, ldy);
 }
 
 #if defined(SPLITSERVE_ISA_VNNI)
@@ -489,6 +506,20 @@ inline __m512 i8_fold(__m512 acc, __m512i s, __m512 d, __m512 m, float xd, float
                                                                    _mm512_cvtepi32_ps(s), acc));
 }
 
+// Every one of R x NP sums set to z.
+template <typename V, int R, int NP>
+inline void set_all(V (&a)[R][NP], V z) {
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NP; ++n) a[r][n] = z;
+}
+
+// Asks for block kb + Q4_AHEAD of each of np panels (pbytes apart, KB blocks
+// of `bytes`); past a panel's end, the panels after them (the next call's).
+inline void prefetch_ahead(const uint8_t* p, int64_t pbytes, int np, int64_t kb, int64_t KB, int64_t bytes) {
+  const int64_t ahead = kb + Q4_AHEAD < KB ? kb + Q4_AHEAD : kb + Q4_AHEAD - KB + np * KB;
+  for (int n = 0; n < np; ++n) prefetch_block(p + n * pbytes + ahead * bytes, bytes);
+}
+
 // R rows x NP panels read from their nibbles (dec == false: p the blocks,
 // pbytes apart) or from decoded panels (dec: p the buffer, pbytes apart).
 template <bool DEC, int R, int NP>
@@ -497,16 +528,11 @@ void i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int6
   const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
   constexpr int64_t BB = DEC ? I8D_BLOCK_BYTES : Q4_BLOCK_BYTES;
   __m512 acc[R][NP];
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_setzero_ps();
+  set_all(acc, _mm512_setzero_ps());
   for (int64_t kb = 0; kb < K / QB; ++kb) {
-    if constexpr (!DEC) {
-      const int64_t ahead = kb + Q4_AHEAD < K / QB ? kb + Q4_AHEAD : kb + Q4_AHEAD - K / QB + NP * (K / QB);
-      for (int n = 0; n < NP; ++n) prefetch_block(p + n * pbytes + ahead * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
-    }
+    if constexpr (!DEC) prefetch_ahead(p, pbytes, NP, kb, K / QB, Q4_BLOCK_BYTES);
     __m512i s[R][NP];
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < NP; ++n) s[r][n] = _mm512_setzero_si512();
+    set_all(s, _mm512_setzero_si512());
     for (int h = 0; h < QB / 8; ++h) {
       __m512i w[NP][2];
       for (int n = 0; n < NP; ++n) {
@@ -560,32 +586,41 @@ inline void i8_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
   }
 }
 
+// Few rows: tiles of MR_I8 rows, NP_I8 panels at a time (the last few one by
+// one); run(NP as an integral_constant, the panels, first row, rows, tile)
+// computes a tile, stored here into y.
+template <typename Run>
+void i8_few_rows(const uint8_t* p, int64_t pbytes, int64_t np, int64_t rows, const float* bias, int64_t col0,
+                 int64_t cols, float* y, int64_t ldy, Run run) {
+  alignas(64) float tile[MR_I8 * NR * NP_I8];
+  for (int64_t n = 0; n < np; n += NP_I8) {
+    const int64_t pn = min64(NP_I8, np - n);
+    for (int64_t m = 0; m < rows; m += MR_I8) {
+      const int64_t r = min64(MR_I8, rows - m);
+      if (pn == NP_I8)
+        run(std::integral_constant<int, NP_I8>{}, p + n * pbytes, m, r, tile);
+      else
+        for (int64_t j = 0; j < pn; ++j)
+          run(std::integral_constant<int, 1>{}, p + (n + j) * pbytes, m, r, tile + j * r * NR);
+      for (int64_t j = 0; j < pn; ++j)
+        store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
+    }
+  }
+}
+
 void q4i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
                     const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
                     int64_t cols, float* y, int64_t ldy) {
   const uint8_t* p = static_cast<const uint8_t*>(panels);
-  alignas(64) float tile[MR_I8D * NR * NP_I8];
-  auto store = [&](int64_t n, int64_t pn, int64_t m, int64_t r) {
-    for (int64_t j = 0; j < pn; ++j)
-      store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
-  };
-  if (rows <= 4 * MR_I8) {  // read the nibbles as they go, MR_I8 rows at a time
-    for (int64_t n = 0; n < np; n += NP_I8) {
-      const int64_t pn = min64(NP_I8, np - n);
-      for (int64_t m = 0; m < rows; m += MR_I8) {
-        const int64_t r = min64(MR_I8, rows - m);
-        const int8_t* x = xq + m * ldx;
-        if (pn == NP_I8)
-          i8_rows<false, MR_I8, NP_I8>(p + n * pbytes, pbytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
-        else
-          for (int64_t j = 0; j < pn; ++j)
-            i8_rows<false, MR_I8, 1>(p + (n + j) * pbytes, pbytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r,
-                                     tile + j * r * NR);
-        store(n, pn, m, r);
-      }
-    }
+  if (rows <= 4 * MR_I8) {  // read the nibbles as they go
+    i8_few_rows(p, pbytes, np, rows, bias, col0, cols, y, ldy,
+                [&](auto np_c, const uint8_t* pp, int64_t m, int64_t r, float* t) {
+                  i8_rows<false, MR_I8, decltype(np_c)::value>(pp, pbytes, K, xq + m * ldx, ldx, dx + m * ldxs,
+                                                               sx + m * ldxs, ldxs, r, t);
+                });
     return;
   }
+  alignas(64) float tile[MR_I8D * NR * NP_I8D];
   const int64_t dec_bytes = K / QB * I8D_BLOCK_BYTES;
   thread_local std::vector<uint8_t> dec;
   dec.resize(static_cast<size_t>(NP_I8D * dec_bytes));
@@ -600,9 +635,73 @@ void q4i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, c
         i8_rows<true, MR_I8D, NP_I8D>(dec.data(), dec_bytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
       else
         i8_rows<true, MR_I8D, 1>(dec.data(), dec_bytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
-      store(n, pn, m, r);
+      for (int64_t j = 0; j < pn; ++j)
+        store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
     }
   }
+}
+
+// 8-bit blocks: 4 inputs' rows of 16 columns (64 bytes) reordered by one vpermb
+// to column j's 4 bytes at lane j, made unsigned (+128: the sign bit flipped)
+// for vpdpbusd, whose sums then exceed the signed ones by 128 * sum(xq).
+inline __m512i q8_index() {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < NR; ++j)
+    for (int i = 0; i < 4; ++i) idx[4 * j + i] = static_cast<uint8_t>(NR * i + j);
+  return _mm512_load_si512(idx);
+}
+
+template <int R, int NP>
+void q8i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
+               const int32_t* xc, int64_t ldxs, float* tile) {
+  const __m512i idx = q8_index(), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][NP];
+  set_all(acc, _mm512_setzero_ps());
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    prefetch_ahead(p, pbytes, NP, kb, K / QB, Q8_BLOCK_BYTES);
+    __m512i s[R][NP];
+    set_all(s, _mm512_setzero_si512());
+    for (int g = 0; g < QB / 4; ++g) {
+      __m512i w[NP];
+      for (int n = 0; n < NP; ++n)
+        w[n] = _mm512_xor_si512(
+            _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(p + n * pbytes + kb * Q8_BLOCK_BYTES + NR * 4 + g * 64)),
+            flip);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = x4(xq + r * ldx + kb * QB + g * 4);
+        for (int n = 0; n < NP; ++n) s[r][n] = _mm512_dpbusd_epi32(s[r][n], w[n], xb);
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(p + n * pbytes + kb * Q8_BLOCK_BYTES));
+      for (int r = 0; r < R; ++r) {
+        const __m512i exact = _mm512_sub_epi32(s[r][n], _mm512_set1_epi32(128 * xc[r * ldxs + kb]));
+        acc[r][n] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * ldxs + kb])), _mm512_cvtepi32_ps(exact),
+                                    acc[r][n]);
+      }
+    }
+  }
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, acc[r][n]);
+}
+
+template <int R, int NP>
+void q8i8_tile_rows(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
+                    const int32_t* xc, int64_t ldxs, int64_t rows, float* tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return q8i8_tile_rows<R - 1, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, rows, tile);
+  }
+  q8i8_tile<R, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, tile);
+}
+
+void q8i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                    const float* dx, const int32_t* xc, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+                    int64_t cols, float* y, int64_t ldy) {
+  i8_few_rows(static_cast<const uint8_t*>(panels), pbytes, np, rows, bias, col0, cols, y, ldy,
+              [&](auto np_c, const uint8_t* pp, int64_t m, int64_t r, float* t) {
+                q8i8_tile_rows<MR_I8, decltype(np_c)::value>(pp, pbytes, K, xq + m * ldx, ldx, dx + m * ldxs,
+                                                             xc + m * ldxs, ldxs, r, t);
+              });
 }
 #endif
 
@@ -704,10 +803,11 @@ SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
 #elif defined(SPLITSERVE_ISA_VNNI)
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
+extern const Q8I8Rows kQ8I8Vnni = q8i8_rows_vnni;
 #else
 extern const IsaKernels SPLITSERVE_ISA_TABLE = {
     SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows,
-    q4i8_rows,           quantize_i8};
+    int8_rows<false>,    q8i8_rows,              quantize_i8};
 #endif
 
 }  // namespace splitserve_linear

@@ -44,6 +44,13 @@ using Q4I8Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_
                           const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias,
                           int64_t col0, int64_t cols, float* y, int64_t ldy);
 
+// The same for 8-bit blocks (as q8): y[i, col0 + j] = sum over blocks b of
+// fma(d[b, j] * dx[i, b], isum[i, b, j], acc), in block order; xc[i, b] is the
+// block's sum of xq (the VNNI kernel's unsigned weights need it).
+using Q8I8Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                          const float* dx, const int32_t* xc, int64_t ldxs, int64_t rows, const float* bias,
+                          int64_t col0, int64_t cols, float* y, int64_t ldy);
+
 // decode_dtype=int8's inputs: for each of `blocks` blocks of 32 floats of x,
 // dx = max |x| / 127, xq = x * (127 / max |x|) rounded to nearest even (a
 // block of zeros: scale 0, all 0), sx = the block's sum (pairs 16 apart, then
@@ -56,6 +63,7 @@ struct IsaKernels {
   RowsTimesPanels f32, q4, q8;
   SiluRows silu_mul;
   Q4I8Rows q4i8;  // portable C++ built for the set (the vector units only where the compiler finds them)
+  Q8I8Rows q8i8;
   QuantizeI8 quantize_i8;
 };
 
@@ -70,5 +78,6 @@ extern const RowsTimesPanels kBf16Rows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
 extern const Q4I8Rows kQ4I8Vnni;
+extern const Q8I8Rows kQ8I8Vnni;
 
 }  // namespace splitserve_linear
