@@ -30,7 +30,7 @@ class ModelConfig:
     # (AVX512-BF16), every other token exact; auto: every token in `dtype`.
     prefill_dtype: str = "auto"
     # int8: a float32 model's generated tokens (decodes, drafts) through its 4-bit
-    # layers with x quantized to int8 per block of 32 inputs; auto: in `dtype`.
+    # layers and 8-bit head with x quantized to int8 per block of 32 inputs; auto: in `dtype`.
     decode_dtype: str = "auto"
 
     def __post_init__(self) -> None:
