@@ -464,6 +464,189 @@ void q8i8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const 
   int8_rows<true>(panels, pbytes, np, K, xq, ldx, dx, nullptr, ldxs, rows, bias, col0, cols, y, ldy);
 }
 
+// Every one of R x NP sums set to z.
+template <typename V, int R, int NP>
+inline void set_all(V (&a)[R][NP], V z) {
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NP; ++n) a[r][n] = z;
+}
+
+// A 4-bit block decoded for the integer kernels: d, m as stored, then 8 groups
+// of 4 inputs, each 16 columns x 4 bytes (column j's q values of the group's
+// inputs at bytes 4j..4j+3).
+constexpr int64_t I8D_BLOCK_BYTES = 2 * NR * 4 + QB * NR;
+
+// A 4-bit panel's blocks -> the decoded layout: d, m as stored, the nibbles
+// through groups(the block's nibbles, its 8 groups out).
+template <typename Groups>
+inline void decode_q4_panel(const uint8_t* p, int64_t K, uint8_t* out, Groups groups) {
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q4_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    uint8_t* o = out + kb * I8D_BLOCK_BYTES;
+    std::memcpy(o, blk, 2 * NR * 4);
+    groups(blk + 2 * NR * 4, o + 2 * NR * 4);
+  }
+}
+
+#if defined(SPLITSERVE_ISA_AVX2) || defined(SPLITSERVE_ISA_AVX512)
+// The int8 kernel on AVX2 (also AVX-512 without VNNI): each panel decoded
+// once per call (two vpshufb and a vpermq per 4 inputs x 8 columns), then
+// vpmaddubsw (unsigned q times signed xq, pairs summed to 16 bits: at most
+// 2 * 15 * 127) added in 16 bits over a block (8 of them: at most 30,480, no
+// overflow) and widened once a block by vpmaddwd: exact integers, folded as
+// the others fold them.
+constexpr int MR_I8A = 4;
+
+inline void i8_decode_panel_avx2(const uint8_t* p, int64_t K, uint8_t* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  // bytes (input i, column j) at 8i + j -> column j's inputs 0, 1 as a pair (each lane)
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
+                                         11, 4, 12, 5, 13, 6, 14, 7, 15);
+  // pairs of inputs 0, 1 (qword 0) and 2, 3 (qword 1) of 4 columns -> each column's 4 bytes
+  const __m256i quads = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11,
+                                         4, 5, 12, 13, 6, 7, 14, 15);
+  decode_q4_panel(p, K, out, [&](const uint8_t* nib, uint8_t* o) {
+    for (int g = 0; g < QB / 4; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + g * 32));
+      const __m256i half[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
+      for (int h = 0; h < 2; ++h) {  // columns 0-7 (low nibbles), 8-15 (high)
+        const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[h], pairs), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * 64 + h * 32), _mm256_shuffle_epi8(t, quads));
+      }
+    }
+  });
+}
+
+
+
+// 8-bit blocks (the head) on AVX2: each panel decoded once per call to the
+// same groups (4 inputs x 16 columns, column j's 4 bytes together), d as
+// stored; vpmaddubsw of |q| and xq with q's sign (pairs at most 2 * 127 * 127
+// in 16 bits), widened at once by vpmaddwd.
+constexpr int64_t Q8D_BLOCK_BYTES = NR * 4 + QB * NR;
+
+inline void q8_decode_panel_avx2(const uint8_t* p, int64_t K, uint8_t* out) {
+  // (row 0, 2), (row 1, 3) pairs of 4 columns -> each column's 4 bytes
+  const __m256i quads = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
+                                         11, 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q8_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q8_BLOCK_BYTES, Q8_BLOCK_BYTES);
+    uint8_t* o = out + kb * Q8D_BLOCK_BYTES;
+    std::memcpy(o, blk, NR * 4);
+    for (int g = 0; g < QB / 4; ++g) {
+      const uint8_t* q = blk + NR * 4 + g * 4 * NR;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));       // inputs 0, 1
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));  // inputs 2, 3
+      const __m256i half[2] = {_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b)};  // columns 0-7, 8-15
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + NR * 4 + g * 64 + h * 32),
+                            _mm256_shuffle_epi8(_mm256_permute4x64_epi64(half[h], 0xD8), quads));
+    }
+  }
+}
+
+// R rows of a decoded panel (4-bit: I8D blocks, with sx; 8-bit: Q8D blocks).
+template <bool Q8, int R>
+void int8_tile_avx2(const uint8_t* dec, int64_t K, const int8_t* xq, int64_t ldx, const float* dx, const float* sx,
+                    int64_t ldxs, float* tile) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int64_t BB = Q8 ? Q8D_BLOCK_BYTES : I8D_BLOCK_BYTES, DM = Q8 ? NR * 4 : 2 * NR * 4;
+  __m256 acc[R][2];
+  set_all(acc, _mm256_setzero_ps());
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* b = dec + kb * BB;
+    __m256i s[R][2];
+    set_all(s, _mm256_setzero_si256());
+    for (int g = 0; g < QB / 4; ++g) {
+      __m256i w[2], wa[2];
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + DM + g * 64 + h * 32));
+        if constexpr (Q8) wa[h] = _mm256_abs_epi8(w[h]);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, xq + r * ldx + kb * QB + g * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (Q8)  // 32-bit sums each group: 8-bit pairs reach 32,258
+            s[r][h] = _mm256_add_epi32(
+                s[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[h], _mm256_sign_epi8(xb, w[h])), ones));
+          else  // 16-bit sums over the block, widened below
+            s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(w[h], xb));
+        }
+      }
+    }
+    const float* dm = reinterpret_cast<const float*>(b);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(dm + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const __m256 si = _mm256_cvtepi32_ps(Q8 ? s[r][h] : _mm256_madd_epi16(s[r][h], ones));
+        const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * ldxs + kb])), si, acc[r][h]);
+        acc[r][h] = Q8 ? t : _mm256_fmadd_ps(_mm256_set1_ps(sx[r * ldxs + kb]), _mm256_loadu_ps(dm + NR + 8 * h), t);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(tile + r * NR, acc[r][0]);
+    _mm256_storeu_ps(tile + r * NR + 8, acc[r][1]);
+  }
+}
+
+
+// f(integral_constant R') for R' = min(rows, R): the tile of the rows left.
+template <int R, typename F>
+inline void tile_of(int64_t rows, F f) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_of<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// The AVX2 kernels' loop: each panel decoded once per call into a buffer of
+// dec_bytes (decode(panel, buffer)), then rows in tiles of MR_I8A
+// (run(R as an integral_constant, buffer, first row, tile)), stored into y.
+template <typename Decode, typename Run>
+void avx2_panels(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_bytes, int64_t rows, const float* bias,
+                 int64_t col0, int64_t cols, float* y, int64_t ldy, Decode decode, Run run) {
+  thread_local std::vector<uint8_t> dec;
+  dec.resize(static_cast<size_t>(dec_bytes));
+  alignas(32) float tile[MR_I8A * NR];
+  for (int64_t n = 0; n < np; ++n) {
+    decode(p + n * pbytes, dec.data());
+    for (int64_t m = 0; m < rows; m += MR_I8A) {
+      const int64_t r = min64(MR_I8A, rows - m);
+      tile_of<MR_I8A>(r, [&](auto rc) { run(rc, dec.data(), m, tile); });
+      store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
+    }
+  }
+}
+
+void q4i8_rows_avx2(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                    const float* dx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+                    int64_t cols, float* y, int64_t ldy) {
+  avx2_panels(
+      static_cast<const uint8_t*>(panels), pbytes, np, K / QB * I8D_BLOCK_BYTES, rows, bias, col0, cols, y, ldy,
+      [&](const uint8_t* p, uint8_t* dec) { i8_decode_panel_avx2(p, K, dec); },
+      [&](auto rc, const uint8_t* dec, int64_t m, float* tile) {
+        int8_tile_avx2<false, decltype(rc)::value>(dec, K, xq + m * ldx, ldx, dx + m * ldxs, sx + m * ldxs, ldxs,
+                                                   tile);
+      });
+}
+
+void q8i8_rows_avx2(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
+                    const float* dx, const int32_t*, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+                    int64_t cols, float* y, int64_t ldy) {
+  avx2_panels(
+      static_cast<const uint8_t*>(panels), pbytes, np, K / QB * Q8D_BLOCK_BYTES, rows, bias, col0, cols, y, ldy,
+      [&](const uint8_t* p, uint8_t* dec) { q8_decode_panel_avx2(p, K, dec); },
+      [&](auto rc, const uint8_t* dec, int64_t m, float* tile) {
+        int8_tile_avx2<true, decltype(rc)::value>(dec, K, xq + m * ldx, ldx, dx + m * ldxs, nullptr, ldxs, tile);
+      });
+}
+#endif
+
 #if defined(SPLITSERVE_ISA_VNNI)
 // The same with vpdpbusd: a 64-byte vector of the panel holds, per column j
 // (32-bit lane j), its q values of 4 consecutive inputs, and one x broadcast
@@ -474,7 +657,6 @@ void q8i8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const 
 // buffer every row tile reads.
 constexpr int MR_I8 = 4, NP_I8 = 4;    // few rows: 4 x 4 int32 sums, 16 float32 outputs
 constexpr int MR_I8D = 6, NP_I8D = 2;  // decoded panels: 6 x 2 (+ 12 outputs)
-constexpr int64_t I8D_BLOCK_BYTES = 2 * NR * 4 + QB * NR;  // d, m, then 8 groups of 4 inputs x 16 columns
 
 // vpermt2b indices: group g (inputs 4g..4g+3 of 8 rows of nibbles, low nibbles
 // first source, high second) -> column j's 4 bytes at lane j.
@@ -504,13 +686,6 @@ inline __m512i x4(const int8_t* x) {
 inline __m512 i8_fold(__m512 acc, __m512i s, __m512 d, __m512 m, float xd, float xsum) {
   return _mm512_fmadd_ps(_mm512_set1_ps(xsum), m, _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd)),
                                                                    _mm512_cvtepi32_ps(s), acc));
-}
-
-// Every one of R x NP sums set to z.
-template <typename V, int R, int NP>
-inline void set_all(V (&a)[R][NP], V z) {
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NP; ++n) a[r][n] = z;
 }
 
 // Asks for block kb + Q4_AHEAD of each of np panels (pbytes apart, KB blocks
@@ -572,18 +747,14 @@ void i8_rows(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int6
 // A panel's blocks -> the decoded layout (d, m as stored; the nibbles as groups).
 inline void i8_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
   const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
-  for (int64_t kb = 0; kb < K / QB; ++kb) {
-    const uint8_t* blk = p + kb * Q4_BLOCK_BYTES;
-    prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
-    uint8_t* o = out + kb * I8D_BLOCK_BYTES;
-    std::memcpy(o, blk, 2 * NR * 4);
+  decode_q4_panel(p, K, out, [&](const uint8_t* nib, uint8_t* o) {
     for (int h = 0; h < QB / 8; ++h) {
       __m512i g0, g1;
-      i8_groups(blk + 2 * NR * 4 + h * 64, idx0, idx1, g0, g1);
-      _mm512_storeu_si512(o + 2 * NR * 4 + h * 128, g0);
-      _mm512_storeu_si512(o + 2 * NR * 4 + h * 128 + 64, g1);
+      i8_groups(nib + h * 64, idx0, idx1, g0, g1);
+      _mm512_storeu_si512(o + h * 128, g0);
+      _mm512_storeu_si512(o + h * 128 + 64, g1);
     }
-  }
+  });
 }
 
 // Few rows: tiles of MR_I8 rows, NP_I8 panels at a time (the last few one by
@@ -805,9 +976,16 @@ extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
 extern const Q8I8Rows kQ8I8Vnni = q8i8_rows_vnni;
 #else
+#if defined(SPLITSERVE_ISA_AVX2) || defined(SPLITSERVE_ISA_AVX512)
+static constexpr Q4I8Rows kQ4I8 = q4i8_rows_avx2;
+static constexpr Q8I8Rows kQ8I8 = q8i8_rows_avx2;
+#else
+static constexpr Q4I8Rows kQ4I8 = int8_rows<false>;
+static constexpr Q8I8Rows kQ8I8 = q8i8_rows;
+#endif
 extern const IsaKernels SPLITSERVE_ISA_TABLE = {
     SPLITSERVE_ISA_NAME, rows_times_panels<F32>, rows_times_panels<Q4>, rows_times_panels<Q8>, silu_mul_rows,
-    int8_rows<false>,    q8i8_rows,              quantize_i8};
+    kQ4I8,               kQ8I8,                  quantize_i8};
 #endif
 
 }  // namespace splitserve_linear
