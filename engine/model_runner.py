@@ -250,8 +250,8 @@ class ModelRunner:
             raise ValueError("decode_dtype: int8 needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or GPTQ) "
                              "on the packed CPU projections")
         if not kernel.i8_vnni_supported():
-            log.warning("decode_dtype int8: this CPU lacks AVX512-VNNI/VBMI; the int8 kernel runs "
-                        "portable code (the same results, slower)")
+            log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
+                     "(the same results)", kernel.isa())
         rows, self.head_rows = PromptRows(), PromptRows()
         self.model.enable_int8_decodes(rows, self.head_rows)
         return rows
