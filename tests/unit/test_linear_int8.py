@@ -139,6 +139,9 @@ def test_zero_blocks_nan_and_inf(kernel) -> None:  # type: ignore[no-untyped-def
     y = kernel.q4i8_linear(x, blocks, 16)
     assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()
     assert torch.isfinite(y[0]).all()
+    head = q8_blocks(q8_weight(16, 64, gen), kernel)  # no block sums there: the scale carries it
+    y8 = kernel.q8i8_linear(x, head, 16)
+    assert torch.isnan(y8[1]).all() and not torch.isfinite(y8[2]).any() and torch.isfinite(y8[0]).all()
 
 
 def test_out_writes_only_its_rows_and_bad_input_is_refused(kernel) -> None:  # type: ignore[no-untyped-def]

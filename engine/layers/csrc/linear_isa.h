@@ -963,8 +963,9 @@ SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx
       xq[b * QB + j] = static_cast<int8_t>(il[j]);
       xq[b * QB + 16 + j] = static_cast<int8_t>(ih[j]);
     }
-    dx[b] = amax / 127.f;
-    sx[b] = s2a + s2b;
+    const float sum = s2a + s2b;
+    dx[b] = amax / 127.f + (sum - sum);  // NaN where x holds a NaN or an infinity (the maxima pass over NaN)
+    sx[b] = sum;
   }
 }
 

@@ -54,8 +54,9 @@ using Q8I8Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_
 // decode_dtype=int8's inputs: for each of `blocks` blocks of 32 floats of x,
 // dx = max |x| / 127, xq = x * (127 / max |x|) rounded to nearest even (a
 // block of zeros: scale 0, all 0), sx = the block's sum (pairs 16 apart, then
-// 8, 4, 2, 1: one order on every set).  IEEE operations lane by lane, so every
-// set gives the same bits.
+// 8, 4, 2, 1: one order on every set); dx is NaN where the block holds a NaN
+// or an infinity, so that it reaches the output.  IEEE operations lane by
+// lane, so every set gives the same bits.
 using QuantizeI8 = void (*)(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx);
 
 struct IsaKernels {
