@@ -267,7 +267,7 @@ class ModelRunner:
         return self.model.enable_bf16_prompts(rows)
 
     def mark_prompt_rows(self, meta: AttentionMetadata, rows: Iterable[tuple[int, int]]) -> None:
-        """prefill_dtype bfloat16: the next forward's rows by path, per scheduled
+        """bfloat16 prompts or int8 decodes: the next forward's rows by path, per scheduled
         sequence in row order (its rows, how many of them lead as prompt tokens),
         for the projections and the attention."""
         assert self.prompt_rows is not None

@@ -26,8 +26,8 @@ drafts, outputs computed again) on kernel.q4i8_linear: x quantized to int8
 per block of 32 inputs (absmax scale), integer dot products with the q values
 (AVX512-VNNI where the CPU has it) and the block's d, m and float32 sum of x
 folded in float32; an 8-bit head the same way (q8i8_linear) for the logits
-of every token but a prompt's last.  About twice the exact kernel's rate at 16 rows and
-several times it at one row; prompt tokens keep their path.
+of every token but a prompt's last.  About twice the exact kernel's rate at
+16-32 rows and 1.4x at one row (Zen 5); prompt tokens keep their path.
 """
 
 from __future__ import annotations
@@ -65,16 +65,18 @@ def _per_panel(v: torch.Tensor, p: int, kb: int) -> torch.Tensor:
 def q4_layout(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """4-bit weights w[n, k] = d[n, k / 32] * q[n, k] + m[n, k / 32] in
     kernel.q4_linear's layout, uint8 [P, K/32, 384]: per panel of 16 outputs
-    and block of 32 inputs, d[16] and m[16] as float32, then 32 rows of 8
-    bytes, byte j of row k holding q(k, j) in its low nibble and q(k, j + 8) in
-    its high.  q [N, K] uint8 (0..15), d and m [N, K / 32] float32."""
+    and block of 32 inputs, d[16] and m[16] as float32, then 4 chunks of 64
+    bytes, chunk c's byte 4j + i holding q(8c + i, j) in its low nibble and
+    q(8c + 4 + i, j) in its high (the integer kernels' order: csrc/
+    linear_isa_api.h).  q [N, K] uint8 (0..15), d and m [N, K / 32] float32."""
     n, k = q.shape
     p, kb = (n + 15) // 16, k // 32
     pad = p * 16 - n
     q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
     dm = torch.cat([_per_panel(d, p, kb), _per_panel(m, p, kb)], dim=-1)
-    qb = q.view(p, 16, kb, 32).permute(0, 2, 3, 1)  # [p, kb, 32, 16]
-    nibbles = qb[..., :8] | (qb[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+    # [p, kb, chunk c, half h, column j, i] for input 8c + 4h + i
+    qb = q.view(p, 16, kb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    nibbles = qb[..., 0, :, :] | (qb[..., 1, :, :] << 4)  # [p, kb, c, j, i]: byte 4j + i of chunk c
     return torch.cat([dm.contiguous().view(torch.uint8).view(p, kb, 128),
                       nibbles.reshape(p, kb, 256)], dim=-1).contiguous()
 

@@ -9,6 +9,7 @@
 //   pack_weight(w [N, K])  -> float32 panels [ceil(N/16), K, 16]
 //   q4 blocks (GGUF Q4_1, exact) [P, K/32, 384]; q8 blocks (Q8_0, exact) [P, K/32, 576]
 //   packed_linear / q4_linear / q8_linear(x [M, K], panels, N, bias or None) -> y [M, N]
+//   q4i8_linear / q8i8_linear: the same blocks times x quantized to int8 (decode_dtype=int8)
 //
 // The micro-kernels live in linear_isa.h, compiled once per instruction set
 // (linear_isa_{scalar,avx2,avx512}.cpp); the set is picked at run time from
@@ -263,8 +264,7 @@ at::Tensor q4_unpack(const at::Tensor& blocks, int64_t N) {
       const uint8_t* q = blk + 2 * NR * 4;
       for (int64_t kk = 0; kk < QB; ++kk)
         for (int64_t j = 0; j < NR; ++j) {
-          const uint8_t byte = q[kk * 8 + (j % 8)];
-          const int qv = j < 8 ? (byte & 0x0F) : (byte >> 4);
+          const int qv = q4_value(q + kk / 8 * 64, static_cast<int>(kk % 8), static_cast<int>(j));
           volatile float prod = static_cast<float>(qv) * dm[j];  // no contraction: mul, round, add
           wp[(p * NR + j) * K + kb * QB + kk] = prod + dm[NR + j];
         }
@@ -281,7 +281,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, c
   return run_linear("q4_linear", x, w, blocks.size(0), K, N, bias, out);
 }
 
-// ---- int8 rows (decode_dtype=int8): generated tokens times 4-bit blocks ----
+// ---- int8 rows (decode_dtype=int8): generated tokens times 4- and 8-bit blocks ----
 
 bool i8_vnni_supported() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -292,8 +292,6 @@ bool i8_vnni_supported() {
 #endif
 }
 
-// The kernel q4i8_linear runs: the VNNI one where the CPU has it and the
-// projections run on AVX-512 (set_isa can turn it off to compare), else the set's own.
 // The kernels q4i8_linear and q8i8_linear run: the VNNI ones where the CPU has
 // them and the projections run on AVX-512 (set_isa can turn them off to
 // compare), else the set's own.

@@ -7,6 +7,7 @@
 // a caller on an AVX2 machine.
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "linear_isa_api.h"
@@ -37,14 +38,17 @@ struct W16 { __m512 v; };
 inline W16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline W16 mul(W16 a, W16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline W16 add(W16 a, W16 b) { return {_mm512_add_ps(a.v, b.v)}; }
-// Two rows of q4 nibbles (16 bytes) -> their 16 q values each, as floats.
-inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  r0.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-  r1.v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
-}
+// A 64-byte chunk of q4 nibbles (linear_isa_api.h), loaded; row<KK>: input
+// KK's 16 q values as floats (column j's 32-bit lane shifted by q4_shift(KK)).
+struct Q4Chunk {
+  __m512i v;
+  Q4Chunk() = default;
+  explicit Q4Chunk(const uint8_t* p) : v(_mm512_loadu_si512(p)) {}
+  template <int KK>
+  W16 row() const {
+    return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, q4_shift(KK)), _mm512_set1_epi32(0x0F)))};
+  }
+};
 inline W16 q8_row(const uint8_t* q) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
 }
@@ -72,14 +76,19 @@ struct W16 { __m256 lo, hi; };
 inline W16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline W16 mul(W16 a, W16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline W16 add(W16 a, W16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  r0 = {u8x8(lo), u8x8(hi)};
-  r1 = {u8x8(_mm_srli_si128(lo, 8)), u8x8(_mm_srli_si128(hi, 8))};
-}
+struct Q4Chunk {
+  __m256i lo, hi;  // columns 0-7, 8-15
+  Q4Chunk() = default;
+  explicit Q4Chunk(const uint8_t* p)
+      : lo(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+        hi(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) {}
+  template <int KK>
+  W16 row() const {
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, q4_shift(KK)), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, q4_shift(KK)), mask))};
+  }
+};
 inline W16 q8_row(const uint8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
@@ -115,12 +124,17 @@ struct W16 { float v[NR]; };
 inline W16 load16(const float* p) { W16 w; std::memcpy(w.v, p, sizeof(w.v)); return w; }
 inline W16 mul(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] * b.v[j]; return a; }
 inline W16 add(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] + b.v[j]; return a; }
-inline void q4_rows(const uint8_t* q, W16& r0, W16& r1) {
-  for (int j = 0; j < 8; ++j) {
-    r0.v[j] = static_cast<float>(q[j] & 0x0F); r0.v[j + 8] = static_cast<float>(q[j] >> 4);
-    r1.v[j] = static_cast<float>(q[8 + j] & 0x0F); r1.v[j + 8] = static_cast<float>(q[8 + j] >> 4);
+struct Q4Chunk {
+  const uint8_t* p = nullptr;
+  Q4Chunk() = default;
+  explicit Q4Chunk(const uint8_t* chunk) : p(chunk) {}
+  template <int KK>
+  W16 row() const {
+    W16 w;
+    for (int j = 0; j < NR; ++j) w.v[j] = static_cast<float>(q4_value(p, KK, j));
+    return w;
   }
-}
+};
 inline W16 q8_row(const uint8_t* q) {
   W16 w;
   for (int j = 0; j < NR; ++j) w.v[j] = static_cast<float>(static_cast<int8_t>(q[j]));
@@ -142,6 +156,14 @@ struct Acc {
   }
 };
 #endif
+
+// f(integral_constant KK) for KK = 0..7, unrolled: a chunk's 8 inputs in order.
+template <typename F, int... KK>
+inline void each_input(F f, std::integer_sequence<int, KK...>) {
+  (f(std::integral_constant<int, KK>{}), ...);
+}
+template <typename F>
+inline void each_of_8(F f) { each_input(f, std::make_integer_sequence<int, 8>{}); }
 
 // The formats: R rows of x times NP consecutive panels (pbytes apart), into
 // NP tiles of R x 16.  Several panels at once give the FMA units independent
@@ -201,13 +223,14 @@ struct Q4 {
       const int64_t ahead = kb + Q4_AHEAD < K / QB ? kb + Q4_AHEAD : kb + Q4_AHEAD - K / QB + NP * (K / QB);
       for (int n = 0; n < NP; ++n) prefetch_block(p + n * pbytes + ahead * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
       Acc<R> s[NP];
-      for (int64_t kk = 0; kk < QB; kk += 2)
-        for (int n = 0; n < NP; ++n) {
-          W16 r0, r1;
-          q4_rows(p + n * pbytes + kb * Q4_BLOCK_BYTES + 2 * NR * 4 + kk * 8, r0, r1);
-          s[n].fma(x, ldx, kb * QB + kk, r0);
-          s[n].fma(x, ldx, kb * QB + kk + 1, r1);
-        }
+      for (int64_t c = 0; c < QB / 8; ++c) {
+        const uint8_t* nib = p + kb * Q4_BLOCK_BYTES + 2 * NR * 4 + c * 64;
+        Q4Chunk chunk[NP];
+        for (int n = 0; n < NP; ++n) chunk[n] = Q4Chunk(nib + n * pbytes);
+        each_of_8([&](auto kk) {
+          for (int n = 0; n < NP; ++n) s[n].fma(x, ldx, kb * QB + c * 8 + kk, chunk[n].template row<kk>());
+        });
+      }
       for (int n = 0; n < NP; ++n) {
         const float* dm = reinterpret_cast<const float*>(p + n * pbytes + kb * Q4_BLOCK_BYTES);
         acc[n].fold(s[n], load16(dm), load16(dm + NR), xs + kb, ldxs);
@@ -229,11 +252,12 @@ inline void q4_decode_panel(const uint8_t* p, int64_t K, float* out) {
     prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
     float* o = out + kb * Q4F_BLOCK_FLOATS;
     std::memcpy(o, blk, 2 * NR * sizeof(float));
-    for (int64_t kk = 0; kk < QB; kk += 2) {
-      W16 r0, r1;
-      q4_rows(blk + 2 * NR * 4 + kk * 8, r0, r1);
-      std::memcpy(o + (2 + kk) * NR, &r0, sizeof(r0));
-      std::memcpy(o + (3 + kk) * NR, &r1, sizeof(r1));
+    for (int64_t c = 0; c < QB / 8; ++c) {
+      const Q4Chunk chunk(blk + 2 * NR * 4 + c * 64);
+      each_of_8([&](auto kk) {
+        const W16 r = chunk.template row<kk>();
+        std::memcpy(o + (2 + c * 8 + kk) * NR, &r, sizeof(r));
+      });
     }
   }
 }
@@ -443,10 +467,7 @@ void int8_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const 
         } else {
           const uint8_t* nib = blk + 2 * NR * 4;
           for (int64_t kk = 0; kk < QB; ++kk)
-            for (int64_t j = 0; j < NR / 2; ++j) {
-              s[j] += (nib[kk * 8 + j] & 0x0F) * x[kk];
-              s[j + NR / 2] += (nib[kk * 8 + j] >> 4) * x[kk];
-            }
+            for (int64_t j = 0; j < NR; ++j) s[j] += q4_value(nib + kk / 8 * 64, static_cast<int>(kk % 8), j) * x[kk];
           const float xsum = sx[i * ldxs + kb];
           for (int64_t j = 0; j < NR; ++j)
             acc[j] = __builtin_fmaf(xsum, d[NR + j], __builtin_fmaf(d[j] * xd, static_cast<float>(s[j]), acc[j]));
@@ -490,8 +511,8 @@ inline void decode_q4_panel(const uint8_t* p, int64_t K, uint8_t* out, Groups gr
 }
 
 #if defined(SPLITSERVE_ISA_AVX2) || defined(SPLITSERVE_ISA_AVX512)
-// The int8 kernel on AVX2 (also AVX-512 without VNNI): each panel decoded
-// once per call (two vpshufb and a vpermq per 4 inputs x 8 columns), then
+// The int8 kernel on AVX2 (also AVX-512 without VNNI): each panel's nibbles
+// split once per call into the groups (low nibbles, high nibbles), then
 // vpmaddubsw (unsigned q times signed xq, pairs summed to 16 bits: at most
 // 2 * 15 * 127) added in 16 bits over a block (8 of them: at most 30,480, no
 // overflow) and widened once a block by vpmaddwd: exact integers, folded as
@@ -500,21 +521,14 @@ constexpr int MR_I8A = 4;
 
 inline void i8_decode_panel_avx2(const uint8_t* p, int64_t K, uint8_t* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  // bytes (input i, column j) at 8i + j -> column j's inputs 0, 1 as a pair (each lane)
-  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
-                                         11, 4, 12, 5, 13, 6, 14, 7, 15);
-  // pairs of inputs 0, 1 (qword 0) and 2, 3 (qword 1) of 4 columns -> each column's 4 bytes
-  const __m256i quads = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11,
-                                         4, 5, 12, 13, 6, 7, 14, 15);
   decode_q4_panel(p, K, out, [&](const uint8_t* nib, uint8_t* o) {
-    for (int g = 0; g < QB / 4; ++g) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + g * 32));
-      const __m256i half[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
-      for (int h = 0; h < 2; ++h) {  // columns 0-7 (low nibbles), 8-15 (high)
-        const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[h], pairs), 0xD8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * 64 + h * 32), _mm256_shuffle_epi8(t, quads));
+    for (int c = 0; c < QB / 8; ++c)  // chunk c: groups 2c (low nibbles) and 2c + 1 (high)
+      for (int h = 0; h < 2; ++h) {   // columns 0-7, 8-15
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + c * 64 + h * 32));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 128 + h * 32), _mm256_and_si256(v, mask));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 128 + 64 + h * 32),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
       }
-    }
   });
 }
 
@@ -651,29 +665,19 @@ void q8i8_rows_avx2(const void* panels, int64_t pbytes, int64_t np, int64_t K, c
 // The same with vpdpbusd: a 64-byte vector of the panel holds, per column j
 // (32-bit lane j), its q values of 4 consecutive inputs, and one x broadcast
 // (those 4 inputs' int8 values) adds all 16 columns' 4 products to their
-// int32 sums.  The block's nibbles (8 bytes an input: column j low, j + 8
-// high) reach that order through one vpermt2b per 4 inputs.  Few rows read
-// the nibbles as they go; more rows decode NP_I8D panels once per call into a
-// buffer every row tile reads.
+// int32 sums.  A 64-byte chunk of nibbles is two such vectors: its low
+// nibbles and its high ones (linear_isa_api.h).  Few rows split the nibbles
+// as they go; more rows split NP_I8D panels once per call into a buffer
+// every row tile reads.
 constexpr int MR_I8 = 4, NP_I8 = 4;    // few rows: 4 x 4 int32 sums, 16 float32 outputs
 constexpr int MR_I8D = 6, NP_I8D = 2;  // decoded panels: 6 x 2 (+ 12 outputs)
 
-// vpermt2b indices: group g (inputs 4g..4g+3 of 8 rows of nibbles, low nibbles
-// first source, high second) -> column j's 4 bytes at lane j.
-inline __m512i i8_index(int g) {
-  alignas(64) uint8_t idx[64];
-  for (int j = 0; j < NR; ++j)
-    for (int i = 0; i < 4; ++i) idx[4 * j + i] = static_cast<uint8_t>((j < 8 ? 0 : 64) + 8 * (4 * g + i) + (j & 7));
-  return _mm512_load_si512(idx);
-}
-
-// 8 inputs' nibbles (64 bytes) -> two groups of 4 inputs in vpdpbusd's order.
-inline void i8_groups(const uint8_t* nib, __m512i idx0, __m512i idx1, __m512i& g0, __m512i& g1) {
+// 8 inputs' nibbles (a 64-byte chunk) -> their two groups of 4 inputs.
+inline void i8_groups(const uint8_t* nib, __m512i& g0, __m512i& g1) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512i v = _mm512_loadu_si512(nib);
-  const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-  g0 = _mm512_permutex2var_epi8(lo, idx0, hi);
-  g1 = _mm512_permutex2var_epi8(lo, idx1, hi);
+  g0 = _mm512_and_si512(v, mask);
+  g1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
 }
 
 inline __m512i x4(const int8_t* x) {
@@ -700,7 +704,6 @@ inline void prefetch_ahead(const uint8_t* p, int64_t pbytes, int np, int64_t kb,
 template <bool DEC, int R, int NP>
 void i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
              const float* sx, int64_t ldxs, float* tile) {
-  const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
   constexpr int64_t BB = DEC ? I8D_BLOCK_BYTES : Q4_BLOCK_BYTES;
   __m512 acc[R][NP];
   set_all(acc, _mm512_setzero_ps());
@@ -716,7 +719,7 @@ void i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int6
           w[n][0] = _mm512_loadu_si512(b + h * 128);
           w[n][1] = _mm512_loadu_si512(b + h * 128 + 64);
         } else {
-          i8_groups(b + h * 64, idx0, idx1, w[n][0], w[n][1]);
+          i8_groups(b + h * 64, w[n][0], w[n][1]);
         }
       }
       for (int g = 0; g < 2; ++g)
@@ -746,11 +749,10 @@ void i8_rows(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int6
 
 // A panel's blocks -> the decoded layout (d, m as stored; the nibbles as groups).
 inline void i8_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
-  const __m512i idx0 = i8_index(0), idx1 = i8_index(1);
   decode_q4_panel(p, K, out, [&](const uint8_t* nib, uint8_t* o) {
     for (int h = 0; h < QB / 8; ++h) {
       __m512i g0, g1;
-      i8_groups(nib + h * 64, idx0, idx1, g0, g1);
+      i8_groups(nib + h * 64, g0, g1);
       _mm512_storeu_si512(o + h * 128, g0);
       _mm512_storeu_si512(o + h * 128 + 64, g1);
     }

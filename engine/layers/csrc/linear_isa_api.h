@@ -12,10 +12,21 @@ namespace splitserve_linear {
 
 constexpr int64_t NR = 16;  // output columns per panel
 constexpr int64_t QB = 32;  // inputs per quantized block
-// q4 block: d[16], m[16] float32, then 32 rows of 8 bytes (byte j: column j
-// low nibble, column j + 8 high).  w = d * q + m, computed factored: each
-// block adds d * sum(x q) + m * sum(x) (not bit-equal to the f32 panels).
+// q4 block: d[16], m[16] float32, then 4 chunks of 64 bytes, chunk c for
+// inputs 8c..8c+7: byte 4j + i holds q(8c + i, j) in its low nibble and
+// q(8c + 4 + i, j) in its high one (i < 4, column j < 16).  So a chunk's low
+// nibbles are 4 inputs of each column as the integer kernels' vpdpbusd reads
+// them (column j's bytes in 32-bit lane j), its high ones the next 4, and
+// input 8c + kk of every column is its 32-bit lanes shifted by q4_shift(kk).
+// w = d * q + m, computed factored: each block adds d * sum(x q) + m * sum(x)
+// (not bit-equal to the f32 panels).
 constexpr int64_t Q4_BLOCK_BYTES = 2 * NR * 4 + QB * NR / 2;  // 384
+// static: each translation unit keeps its own copy, built for its instruction set.
+static inline int q4_shift(int kk) { return kk < 4 ? 8 * kk : 8 * (kk - 4) + 4; }
+// q of input kk (0..7) and column j of a chunk.
+static inline int q4_value(const uint8_t* chunk, int kk, int j) {
+  return (chunk[4 * j + kk % 4] >> (kk < 4 ? 0 : 4)) & 0x0F;
+}
 // q8 block: d[16] float32, then 32 rows of 16 int8.  w = d * q (exact: d is
 // a float16 value, q 8 bits, so the product fits float32's 24 bits).
 constexpr int64_t Q8_BLOCK_BYTES = NR * 4 + QB * NR;  // 576
