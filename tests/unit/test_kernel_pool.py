@@ -3,6 +3,7 @@ same bits as OpenMP, callers on several Python threads at once, and a fork."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import subprocess
@@ -34,10 +35,9 @@ def kernel():  # type: ignore[no-untyped-def]
 def pool_threads() -> int:
     n = 0
     for t in os.listdir("/proc/self/task"):
-        try:
+        # a thread (not the pool's, which stay) may end between the listing and the read
+        with contextlib.suppress(FileNotFoundError):
             n += Path(f"/proc/self/task/{t}/comm").read_text().strip() == "ss-kernel"
-        except FileNotFoundError:  # a thread (not the pool's, which stay) ended between listing and reading
-            pass
     return n
 
 
