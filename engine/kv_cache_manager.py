@@ -56,6 +56,7 @@ class KVCacheManager(BlockTables):
         elsewhere, so nothing is registered in the prefix cache until it has
         (no other request may hit a block still being received)."""
         blocks = self._blocks.setdefault(req.request_id, [])
+        assert not (blocks and new_computed_blocks), "prefix hits must lead the block table"
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(blocks) - len(new_computed_blocks)

@@ -95,3 +95,29 @@ def test_failed_transfer_recomputes_on_decode(trio) -> None:  # type: ignore[no-
     decode.remote_kv_failed("lost")  # e.g. the prefill worker died mid-transfer
     assert drain(decode, "lost", []) == ref
     assert decode.kv.num_free_blocks == decode.kv.num_blocks
+
+
+def test_failed_transfers_of_one_prompt_both_recompute_exactly(trio) -> None:  # type: ignore[no-untyped-def]
+    """Two requests for one prompt, both reserved with nothing cached and both
+    failed (the prefill worker died while they waited; the chaos test met it):
+    each recomputes in the blocks it reserved, whatever a failed transfer left
+    in them (here: garbage), though the first one caches the prefix before the
+    second is planned."""
+    single, _, decode = trio
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = PROMPTS[1] + " a fresh prompt that no engine has cached yet"
+    single.add_request("ref", prompt, params)
+    ref = drain(single, "ref", [])
+    for rid in ("lost-a", "lost-b"):
+        handoff = decode.reserve_remote(rid, decode.tokenize(prompt), params)
+        assert handoff is not None and handoff.first_block == 0
+        for b in handoff.blocks_to_fill:  # what a transfer cut short leaves behind
+            decode.runner.kv_cache[b].normal_()
+    decode.remote_kv_failed("lost-a")
+    decode.remote_kv_failed("lost-b")
+    got: dict[str, list[int]] = {"lost-a": [], "lost-b": []}
+    while decode.has_unfinished():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+    assert got == {"lost-a": ref, "lost-b": ref}
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks

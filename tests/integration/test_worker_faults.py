@@ -201,15 +201,38 @@ def test_prefill_killed_with_requests_in_flight(cluster, offline) -> None:  # ty
     assert wait_all_free(d1, pb_grpc.DecodeStub)
 
 
-def test_prefill_killed_under_the_frontend(cluster, offline, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The same through the frontend's routing: prompts over its local-prefill
-    threshold go to the (only) prefill worker, which dies computing them."""
-    victim = cluster["victim"]
-    if victim.popen.poll() is not None:  # killed by the test before: back on the same port
+def live_victim(cluster) -> Proc:  # type: ignore[no-untyped-def]
+    """The victim prefill worker, started again on its port if a test before killed it."""
+    victim: Proc = cluster["victim"]
+    if victim.popen.poll() is not None:
         port = int(victim.address.rsplit(":", 1)[1])
         decodes = peer_flag("prefill", [cluster["d0"].address, cluster["d1"].address])
         victim = cluster["victim"] = start_victim(victim.ready.parent, port, decodes)
         victim.wait_ready()
+    return victim
+
+
+def test_prefill_killed_under_requests_for_one_prompt(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    """Three requests for one new prompt wait on the victim, none with a prefix
+    hit on d1, and all lose their transfer.  d1 recomputes them; the first one
+    planned caches the prompt's blocks, which the others must not take on top
+    of the blocks they reserved (that once gave wrong tokens in the chaos test)."""
+    victim = live_victim(cluster)
+    prompt = offline.tokenizer.encode(f"One prompt for all: {LONG}")
+    ref = offline.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    d1 = cluster["d1"].address
+    results, _, rose = run_and_kill(victim, d1, [prompt] * 3,
+                                    lambda i: run(d1, victim.address, f"same-{i}", prompt))
+    assert results == [ref] * 3
+    assert rose["kv_transfer_recomputes"] >= 2  # at least two of them recomputed together
+    assert rose["kv_transfer_recomputes"] + rose["remote_prefills"] == 3
+    assert wait_all_free(d1, pb_grpc.DecodeStub)
+
+
+def test_prefill_killed_under_the_frontend(cluster, offline, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same through the frontend's routing: prompts over its local-prefill
+    threshold go to the (only) prefill worker, which dies computing them."""
+    victim = live_victim(cluster)
     port, grpc_port = free_port(), free_port()
     log = tmp_path / "frontend.log"
     with open(log, "wb") as out:

@@ -276,6 +276,27 @@ def test_remote_failure_recomputes_locally() -> None:
     assert run(s)[0]["r"] == run(ref)[0]["r"]
 
 
+def test_failed_transfers_of_one_prompt_recompute_in_their_own_blocks() -> None:
+    """Two requests for one prompt both reserved with no hit and both lost their
+    transfer: the first one admitted caches its blocks as it is planned; the
+    second must not take those as hits on top of the table it already holds
+    (that put its reserved, never-filled blocks where the prefix should be)."""
+    s = make(num_blocks=16, block_size=4)
+    a, b = req("a", list(range(1, 11)), max_tokens=3), req("b", list(range(1, 11)), max_tokens=3)
+    tables = {"a": s.reserve_remote(a), "b": s.reserve_remote(b)}
+    s.remote_kv_failed("a")
+    s.remote_kv_failed("b")
+    plan = s.schedule()
+    assert [(q.request.request_id, q.start, q.num_new_tokens, q.block_ids) for q in plan.seqs] == \
+        [("a", 0, 10, tables["a"]), ("b", 0, 10, tables["b"])]
+    ref = make(num_blocks=16, block_size=4)
+    ref.add_request(req("a", list(range(1, 11)), max_tokens=3))
+    s.update(plan, {r: Tok(toy_next(list(range(1, 11)))) for r in "ab"})
+    outs = run(s)[0]
+    assert outs["a"] == outs["b"] == run(ref)[0]["a"]
+    assert s.kv.num_free_blocks == 16
+
+
 def test_abort_while_waiting_for_kv_frees_blocks() -> None:
     s = make(num_blocks=16, block_size=4)
     s.reserve_remote(req("r", list(range(1, 11))))
