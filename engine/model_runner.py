@@ -214,11 +214,9 @@ class ModelRunner:
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
-        self.decode_dtype = ""  # what generated tokens compute in, if not the model's dtype
         self.head_rows: PromptRows | None = None  # decode_dtype=int8: the head's rows by path
         if model_config.decode_dtype == "int8":
             self.prompt_rows = self._int8_decodes()
-            self.decode_dtype = "int8"
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
@@ -238,6 +236,11 @@ class ModelRunner:
     def prefill_dtype(self) -> str:
         """What prompt tokens compute in, if not the model's dtype: "bfloat16" or ""."""
         return "bfloat16" if self.bf16_prompts else ""
+
+    @property
+    def decode_dtype(self) -> str:
+        """What generated tokens compute in, if not the model's dtype: "int8" or ""."""
+        return "int8" if self.head_rows is not None else ""
 
     def _int8_decodes(self) -> PromptRows:
         kernel = load_linear_kernel() if self.device.type == "cpu" else None

@@ -155,6 +155,24 @@ LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t
   return c;
 }
 
+// fn(m0, rows, p, np, cols) for each task of a linear call of M rows and P
+// panels (N outputs): a row chunk (M_CHUNK rows from m0) times a group of up to
+// G panels (np from panel p, cols outputs), chunk-major, so a thread walks
+// panels while its rows stay in cache and each panel is read once per chunk.
+template <typename Fn>
+void each_task(int64_t M, int64_t P, int64_t N, int64_t G, const Fn& fn) {
+  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK, groups = (P + G - 1) / G;
+  // About 16 claims per thread: small enough to even out a preempted thread,
+  // large enough that claiming costs nothing.
+  const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
+  parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p), m0 = c * M_CHUNK;
+      fn(m0, std::min(M_CHUNK, M - m0), p, np, std::min(np * NR, N - p * NR));
+    }
+  });
+}
+
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
@@ -195,26 +213,15 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     block_sums(xp, M, K, xs.data_ptr<float>());
     xsp = xs.data_ptr<float>();
   }
-  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-  // Tasks are (row chunk, group of G panels), chunk-major: a thread walks
-  // panels while its rows stay in cache; each panel is read once per chunk.
   // Up to 4 rows, a task is 4 panels (the kernel interleaves as many as its
   // set's registers hold).  More rows of a 4-bit layer take panels 2 at a
   // time: past one row tile (MR rows) the kernel decodes a pair once and reads
   // it together in every tile (AVX-512; one panel at a time elsewhere); up to
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
-  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs ? 2 : 1), groups = (P + G - 1) / G;
-  // About 16 claims per thread: small enough to even out a preempted thread,
-  // large enough that claiming costs nothing.
-  const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
-  parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
-      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0);
-      const int64_t col0 = p * NR, cols = std::min(np * NR, N - col0);
-      w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
-               rows, bp, col0, cols, yp + m0 * N, N);
-    }
+  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs ? 2 : 1);
+  each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+    w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
+             rows, bp, p * NR, cols, yp + m0 * N, N);
   });
   return y.view(call.sizes);
 }
@@ -336,21 +343,14 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const int64_t pbytes = KB * block_bytes;
   float* yp = y.data_ptr<float>();
-  // Tasks are (row chunk, group of G panels) as in run_linear; G = 4 suits
-  // the VNNI kernels' shapes (4 panels at a time, or 2 decoded).
-  const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK, G = 4, groups = (P + G - 1) / G;
-  const int64_t grain = std::max<int64_t>(1, chunks * groups / (16 * at::get_num_threads()));
-  parallel_claim(chunks * groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p);
-      const int64_t m0 = c * M_CHUNK, rows = std::min(M_CHUNK, M - m0), cols = std::min(np * NR, N - p * NR);
-      if (q8)
-        k8(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, xcp + m0 * KB, KB, rows, bp, p * NR, cols,
-           yp + m0 * N, N);
-      else
-        k4(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, sxp + m0 * KB, KB, rows, bp, p * NR, cols,
-           yp + m0 * N, N);
-    }
+  // Groups of 4 panels suit the VNNI kernels' shapes (4 panels at a time, or 2 decoded).
+  each_task(M, P, N, 4, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+    if (q8)
+      k8(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, xcp + m0 * KB, KB, rows, bp, p * NR, cols,
+         yp + m0 * N, N);
+    else
+      k4(wp + p * pbytes, pbytes, np, K, xqp + m0 * K, K, dxp + m0 * KB, sxp + m0 * KB, KB, rows, bp, p * NR, cols,
+         yp + m0 * N, N);
   });
   return y.view(call.sizes);
 }
@@ -614,7 +614,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
   m.def("i8_vnni_supported", &i8_vnni_supported,
-        "whether q4i8_linear and q8i8_linear run their AVX512-VNNI kernels here (else portable code, the same bits)");
+        "whether q4i8_linear and q8i8_linear run their AVX512-VNNI kernels here (else the AVX2 ones, or "
+        "portable code without AVX2: the same bits)");
   m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
