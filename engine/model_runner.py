@@ -21,6 +21,7 @@ from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.layers.cpu_features import amx_bf16, fast_bf16
+from engine.layers.cpu_malloc import keep_freed_memory
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.layers.packed_linear import PackedLinear, PromptRows, leading_rows, row_runs
 from engine.lora import LoRAManager
@@ -197,6 +198,8 @@ class ModelRunner:
             torch.set_num_threads(model_config.num_threads)
         self.model_dir = model_dir
         self.device = resolve_device(model_config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's big tensors reuse the last step's pages
         self.dtype = resolve_dtype(model_config.dtype, self.device, max_num_seqs)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = self.model.spec

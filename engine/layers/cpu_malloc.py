@@ -1,0 +1,60 @@
+"""glibc malloc settings for a process that runs the CPU engine.
+
+A forward pass allocates and frees tensors of megabytes to tens of megabytes
+each (a 2,000-token prompt's activations: 24 MiB for gate_up's output), dozens
+a step.  With its defaults glibc hands chunks that large out by mmap, or, once
+its dynamic threshold has risen, from the heap, whose top it gives back to the
+OS (brk) as soon as more than twice that threshold is free.  Either way the
+next step faults the same memory in again, page by page, each page zeroed by
+the kernel.  On the main thread's arena (`LLM.generate` called from a script)
+that was 40% of a 2,000-token prefill on the Zen 5 of benchmarks/README.md:
+1.8-2.2 s, and 1.0-1.1 s with the thresholds fixed; a worker's engine thread
+allocates from another arena, which was already at 1.2 s and stays there.
+
+`keep_freed_memory()` fixes the thresholds (which also stops glibc moving them):
+chunks up to 32 MiB come from the heap, and the heap keeps up to 512 MiB free
+at its top for the next step, as a GPU framework's caching allocator keeps
+freed blocks.  A process's resident size then stays at its high-water mark
+instead of following each step.  Left alone where malloc is not glibc's, or
+where the user set glibc's malloc options (MALLOC_*_ environment variables,
+GLIBC_TUNABLES) or preloads another allocator."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+MMAP_THRESHOLD = 32 << 20  # glibc's upper limit for it on 64-bit
+TRIM_THRESHOLD = 512 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_applied: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Set the thresholds once per process; True where they are in force."""
+    global _applied
+    if _applied is None:
+        _applied = _apply()
+    return _applied
+
+
+def _apply() -> bool:
+    if any(os.environ.get(name) for name in _USER_SETTINGS):
+        return False
+    if any(lib in os.environ.get("LD_PRELOAD", "") for lib in ("jemalloc", "tcmalloc", "mimalloc")):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only (musl's mallopt does nothing)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not ok:
+        log.warning("mallopt refused the CPU engine's malloc thresholds; glibc's defaults stay")
+    return ok
