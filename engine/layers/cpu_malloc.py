@@ -7,9 +7,9 @@ its dynamic threshold has risen, from the heap, whose top it gives back to the
 OS (brk) as soon as more than twice that threshold is free.  Either way the
 next step faults the same memory in again, page by page, each page zeroed by
 the kernel.  On the main thread's arena (`LLM.generate` called from a script)
-that was 40% of a 2,000-token prefill on the Zen 5 of benchmarks/README.md:
-1.8-2.2 s, and 1.0-1.1 s with the thresholds fixed; a worker's engine thread
-allocates from another arena, which was already at 1.2 s and stays there.
+a 2,000-token prefill took 1.7-2.6 s in most processes on the Zen 5 of
+benchmarks/README.md, 1.0-1.5 s with the thresholds fixed; a worker's engine
+thread allocates from another arena, which keeps what it frees anyway.
 
 `keep_freed_memory()` fixes the thresholds (which also stops glibc moving them):
 chunks up to 32 MiB come from the heap, and the heap keeps up to 512 MiB free
