@@ -8,8 +8,9 @@ OS (brk) as soon as more than twice that threshold is free.  Either way the
 next step faults the same memory in again, page by page, each page zeroed by
 the kernel.  On the main thread's arena (`LLM.generate` called from a script)
 a 2,000-token prefill took 1.7-2.6 s in most processes on the Zen 5 of
-benchmarks/README.md, 1.0-1.5 s with the thresholds fixed; a worker's engine
-thread allocates from another arena, which keeps what it frees anyway.
+benchmarks/README.md, 1.0-1.5 s with the thresholds fixed.  On a thread of its
+own, as in a worker, the engine allocates from another arena, where the same
+prefill took 1.1-1.6 s with or without them.
 
 `keep_freed_memory()` fixes the thresholds (which also stops glibc moving them):
 chunks up to 32 MiB come from the heap, and the heap keeps up to 512 MiB free
