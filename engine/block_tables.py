@@ -29,6 +29,9 @@ class BlockTables:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self._blocks.get(request_id))
+
     def request_ids(self) -> list[str]:
         return list(self._blocks)
 

@@ -225,7 +225,7 @@ class Scheduler:
             num_hit_tokens = 0
             # A request back from a failed transfer holds the table it reserved (its
             # own hits first): prefix hits come before any other block, never after.
-            if req.num_computed_tokens == 0 and not self.kv.block_ids(req.request_id):
+            if req.num_computed_tokens == 0 and not self.kv.holds_blocks(req.request_id):
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = chunk_end(req, req.num_computed_tokens + num_hit_tokens, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:

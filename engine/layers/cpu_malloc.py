@@ -23,6 +23,7 @@ GLIBC_TUNABLES) or preloads another allocator."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -32,18 +33,11 @@ MMAP_THRESHOLD = 32 << 20  # glibc's upper limit for it on 64-bit
 TRIM_THRESHOLD = 512 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
-_applied: bool | None = None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set the thresholds once per process; True where they are in force."""
-    global _applied
-    if _applied is None:
-        _applied = _apply()
-    return _applied
-
-
-def _apply() -> bool:
     if any(os.environ.get(name) for name in _USER_SETTINGS):
         return False
     if any(lib in os.environ.get("LD_PRELOAD", "") for lib in ("jemalloc", "tcmalloc", "mimalloc")):

@@ -79,5 +79,6 @@ def test_the_users_own_malloc_settings_are_left_alone() -> None:
 def test_the_cpu_engine_applies_them() -> None:
     code = ("from engine import LLM; from engine.layers import cpu_malloc\n"
             "LLM(dtype='float32', num_blocks=16, num_threads=1, max_model_len=256)\n"
-            "print('applied', cpu_malloc._applied)")
+            "print('applied', cpu_malloc.keep_freed_memory.cache_info().currsize == 1 "
+            "and cpu_malloc.keep_freed_memory())")
     assert run(code)["applied"] == "True"
