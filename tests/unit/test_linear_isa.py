@@ -83,6 +83,23 @@ def test_every_format_matches_torch_and_is_exact_across_formats(kernel, isa: str
                 assert torch.equal(kernel.q8_linear(x, q8, n_out, bias), y), f"q8, {m} rows, {isa}"
 
 
+def test_q4_rows_are_their_own_around_the_span_and_tile_switches(kernel, isa: str) -> None:  # type: ignore[no-untyped-def]
+    """Many rows read 4-bit panels decoded in spans (up to 64 rows, csrc/
+    linear_isa.h's Q4F_SPAN_ROWS) or whole (more): every row's bits are its
+    own alone, across row tiles, spans with a short last one (18 blocks of 32
+    inputs) and panels left over."""
+    gen = torch.Generator().manual_seed(11)
+    w = q4_weight(200, 576, gen)
+    q4 = q4_blocks(w, kernel)
+    assert q4 is not None
+    for m in (6, 7, 12, 13, 32, 64, 65):
+        x = torch.randn(m, 576, generator=gen)
+        y = kernel.q4_linear(x, q4, 200)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+        for i in range(m):
+            assert torch.equal(kernel.q4_linear(x[i:i + 1], q4, 200)[0], y[i]), f"row {i} of {m}, {isa}"
+
+
 def test_silu_and_mul_matches_torch_on_every_set(kernel, isa: str) -> None:  # type: ignore[no-untyped-def]
     """The MLP's silu(gate) * up, as wide as the set's vectors: close to torch,
     and an element's bits do not depend on its lane or on falling in the tail."""
