@@ -209,8 +209,10 @@ struct F32 {
 // Q4_AHEAD blocks further along its panel (past a panel's end, the panels
 // after it: the next call's).  A prefetch never faults and changes no result.
 constexpr int64_t Q4_AHEAD = 4;
+// LOCALITY: __builtin_prefetch's (0: read once, soon; 2: kept in L2 until read).
+template <int LOCALITY = 0>
 inline void prefetch_block(const uint8_t* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
 }
 
 // 4-bit blocks, factored: w = d * q + m, so a block of 32 inputs adds
@@ -258,9 +260,10 @@ struct Q4 {
 // work no longer waits on the weights streaming from memory).  A tile's sums
 // wait in memory between spans (Q4F starts from them), float32 stored and
 // loaded, so the bits are one pass's.  More rows (prompts) decode whole
-// panels: there a tile's rows of x would leave L1 between spans.  Zen 3, 30
-// layers' projections on distinct weights (benchmarks.projection_formats):
-// 57-59 against 64-75 ms at 32 rows, 23-25 against 34-37 at 8.
+// panels: there a tile's rows of x would leave L1 between spans.  Zen 3 (avx2
+// fma), 30 layers' projections on distinct weights, best of runs
+// (benchmarks.projection_formats; benchmarks/README.md): 57-77 against 63-82
+// ms at 32 rows, 21-25 against 27-37 at 8.
 constexpr int64_t Q4F_BLOCK_FLOATS = (2 + QB) * NR;  // d, m, then QB rows of 16 q values
 constexpr int64_t Q4F_SPAN = 8 / NP_Q4F;  // blocks: 17 KB of decoded panels
 constexpr int64_t Q4F_SPAN_ROWS = 64;
@@ -438,9 +441,7 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
           if (span_blocks < KB) {  // the next span of these panels or, after the last, the panels that follow
             const uint8_t* next =
                 kb + span < KB ? p + n * pbytes + (kb + span) * Q4_BLOCK_BYTES : p + (n + pn) * pbytes;
-            for (int64_t j = 0; j < pn; ++j)
-              for (int64_t b = 0; b < span_blocks * Q4_BLOCK_BYTES; b += 64)
-                __builtin_prefetch(next + j * pbytes + b, 0, 2);
+            for (int64_t j = 0; j < pn; ++j) prefetch_block<2>(next + j * pbytes, span_blocks * Q4_BLOCK_BYTES);
           }
           for (int64_t t = 0; t < ft; ++t) {
             const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
