@@ -24,11 +24,15 @@ its flags and says per target "met" or "not met" (or what was not measured).
         [--llama-server /tmp/llama-venv/bin/llama-server] [--only 1,2,5] [--quick]
 
 vLLM and llama.cpp run only when named (their installs: benchmarks/README.md).
+llama.cpp's server runs beside ours, and the single stream alternates between
+the two request by request, so that the host's drifting speed (20% and more
+over minutes on a shared machine) weighs on both alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -173,10 +177,14 @@ class Runner:
         self.runs: dict[str, dict[str, tuple[dict[str, Any], list[Any]]]] = {}  # workload -> label -> run
         self.commands: list[str] = []
 
-    def bench(self, server: Server, workload: str) -> tuple[dict[str, Any], list[Any]]:
+    def flags(self, workload: str) -> list[str]:
+        return WORKLOADS[workload] + (QUICK[workload] if self.args.quick else [])
+
+    def bench(self, server: Server, workload: str,
+              extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
         from benchmarks.serve import add_serve_args, measure
 
-        flags = WORKLOADS[workload] + (QUICK[workload] if self.args.quick else [])
+        flags = self.flags(workload) + list(extra)
         flags += ["--no-progress", "--label", server.label, "--json-out", str(self.out / "runs.jsonl")]
         self.commands.append(f"splitserve bench serve --base-url {server.url} "
                              + shlex.join(f for f in flags if f != "--no-progress"))
@@ -190,6 +198,30 @@ class Runner:
         self.results[f"{server.label} / {workload}"] = summary
         self.runs.setdefault(workload, {})[server.label] = (summary, results)
         return summary, results
+
+    def bench_paired(self, servers: list[Server], workload: str) -> dict[str, dict[str, Any]]:
+        """The workload's requests one at a time, each sent to every server in
+        turn (the order alternating request by request), so that a drifting
+        host speed (20% and more over minutes on a shared machine) weighs on
+        every server alike: request i is the workload's request with seed i,
+        the same prompt for all.  -> label -> the summary of its requests."""
+        from benchmarks.serve_stats import summarize_groups
+
+        flags = self.flags(workload)
+        n = int(flags[len(flags) - 1 - flags[::-1].index("--num-prompts") + 1])  # the last one given
+        got: dict[str, tuple[list[Any], float]] = {s.label: ([], 0.0) for s in servers}
+        for i in range(n):
+            for server in servers if i % 2 == 0 else servers[::-1]:
+                summary, results = self.bench(server, workload, ("--num-prompts", "1", "--seed", str(i)))
+                done, seconds = got[server.label]
+                got[server.label] = (done + results, seconds + summary["duration_s"])
+        out = {}
+        for label, (results, seconds) in got.items():
+            summary = summarize_groups(results, seconds)
+            self.results[f"{label} / {workload}"] = summary
+            self.runs.setdefault(workload, {})[label] = (summary, results)
+            out[label] = summary
+        return out
 
     def plots(self) -> list[Path]:
         """A picture per workload measured on more than one system."""
@@ -380,26 +412,41 @@ def main() -> int:
                               f"{disagg.start_s:.1f} s (target <= 10 s): {verdict(ok)}")
             if 1 in only:
                 r.bench(disagg, "mixed")
-    # float32 everywhere; bfloat16 too where it is native (dtype=auto picks one of them)
-    report.append(f"0. dtype=auto serves {served_dtype('auto')} on this CPU")
-    for dtype in ("float32", "bfloat16") if native else ("float32",):
-        if not only & {1, 2, 3, 4}:
-            break
-        # --decode-dtype int8 is a float32 model's option: the bfloat16 stack keeps its decodes
-        decodes = args.decode_dtype if dtype == "float32" else "auto"
-        with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype,
-                           args.prefill_dtype, decodes) as coloc:
-            ours[coloc.label] = served_dtype(dtype)
-            prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
-                                       else ours[coloc.label])
-            decodes_in[coloc.label] = "int8" if decodes == "int8" else ours[coloc.label]
-            for t, w in ((1, "mixed"), (2, "single"), (3, "decode32"), (3, "batch32")):
-                if t in only:
-                    r.bench(coloc, w)
-            if 4 in only:
-                secs = prefill_seconds(coloc, PREFILL_TOKENS)
-                flops = 2 * params * PREFILL_TOKENS + 2 * layers * PREFILL_TOKENS ** 2 * qdim
-                r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs}
+    # llama.cpp's server stays up beside ours (idle but for its turns): its
+    # single stream alternates with ours request by request.
+    with contextlib.ExitStack() as peers:
+        llama: Server | None = None
+        llama_beside: dict[str, dict[str, Any]] = {}  # our label -> llama.cpp's summary in the pairing
+        if args.llama_server and 2 in only:
+            from engine.models.loader import gguf_source, resolve_model
+
+            gguf = gguf_source(resolve_model(None))
+            if gguf is None:
+                report.append("2. llama.cpp: the default model has no GGUF source here; not measured")
+            else:
+                llama = peers.enter_context(llama_up(args.llama_server, gguf, out / "llama.log"))
+        # float32 everywhere; bfloat16 too where it is native (dtype=auto picks one of them)
+        report.append(f"0. dtype=auto serves {served_dtype('auto')} on this CPU")
+        for dtype in ("float32", "bfloat16") if native else ("float32",):
+            if not only & {1, 2, 3, 4}:
+                break
+            # --decode-dtype int8 is a float32 model's option: the bfloat16 stack keeps its decodes
+            decodes = args.decode_dtype if dtype == "float32" else "auto"
+            with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype,
+                               args.prefill_dtype, decodes) as coloc:
+                ours[coloc.label] = served_dtype(dtype)
+                prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
+                                           else ours[coloc.label])
+                decodes_in[coloc.label] = "int8" if decodes == "int8" else ours[coloc.label]
+                for t, w in ((1, "mixed"), (2, "single"), (3, "decode32"), (3, "batch32")):
+                    if t == 2 and 2 in only and llama is not None:
+                        llama_beside[coloc.label] = r.bench_paired([coloc, llama], w)[llama.label]
+                    elif t in only:
+                        r.bench(coloc, w)
+                if 4 in only:
+                    secs = prefill_seconds(coloc, PREFILL_TOKENS)
+                    flops = 2 * params * PREFILL_TOKENS + 2 * layers * PREFILL_TOKENS ** 2 * qdim
+                    r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs}
     vllm_dtype = "bfloat16" if native else "float32"
     if args.vllm_python and only & {1, 2, 5}:
         hf = Path(args.hf_dir)
@@ -411,16 +458,6 @@ def main() -> int:
             for t, w in ((1, "mixed"), (2, "single")):
                 if t in only:
                     r.bench(vllm, w)
-    if args.llama_server and 2 in only:
-        from engine.models.loader import gguf_source, resolve_model
-
-        gguf = gguf_source(resolve_model(None))
-        if gguf is None:
-            report.append("2. llama.cpp: the default model has no GGUF source here; not measured")
-        else:
-            with llama_up(args.llama_server, gguf, out / "llama.log") as llama:
-                r.bench(llama, "single")
-
     done = r.results
     peak: dict[str, float] = {}
     if only & {3, 4}:
@@ -463,11 +500,12 @@ def main() -> int:
         assert c2 is not None
         tpot = done[f"{c2[0]} / single"]["tpot_ms"]["p50"]
         line = f"2. single stream: {c2[0]} {c2[1]:.1f} tok/s (TPOT p50 {tpot:.1f} ms)"
-        v2, l2 = tput(vllm_label, "single"), tput("llama.cpp", "single")
+        v2 = tput(vllm_label, "single")
+        beside = llama_beside.get(c2[0])  # llama.cpp's requests, alternating with these
         line += (f"; {vllm_label} {v2:.1f} tok/s = {c2[1] / v2:.2f}x (target 1.5x): "
                  f"{verdict(c2[1] >= 1.5 * v2)}" if v2 else "; vLLM not measured")
-        if l2:
-            lt = done["llama.cpp / single"]["tpot_ms"]["p50"]
+        if beside:
+            l2, lt = beside["output_throughput"], beside["tpot_ms"]["p50"]
             line += (f"; llama.cpp {l2:.1f} tok/s (TPOT p50 {lt:.1f} ms) = {c2[1] / l2:.2f}x (target 1.0x): "
                      f"{verdict(c2[1] >= l2)}")
         else:
