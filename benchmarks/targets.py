@@ -208,7 +208,8 @@ class Runner:
         from benchmarks.serve_stats import summarize_groups
 
         flags = self.flags(workload)
-        n = int(flags[len(flags) - 1 - flags[::-1].index("--num-prompts") + 1])  # the last one given
+        given = [v for f, v in zip(flags, flags[1:], strict=False) if f == "--num-prompts"]
+        n = int(given[-1])  # the last one counts (--quick adds its own)
         got: dict[str, tuple[list[Any], float]] = {s.label: ([], 0.0) for s in servers}
         for i in range(n):
             for server in servers if i % 2 == 0 else servers[::-1]:
