@@ -372,6 +372,12 @@ inline void run_rows(const uint8_t* panel, int64_t pbytes, int64_t K, const floa
   Format::template run<R, NP>(panel, pbytes, K, x, ldx, xs, ldxs, tile, ahead);
 }
 
+// Row tile t of `tiles` over `rows` rows, as even as they divide: {first row, rows in it}.
+inline std::pair<int64_t, int64_t> row_tile(int64_t rows, int64_t t, int64_t tiles) {
+  const int64_t m = rows * t / tiles;
+  return {m, rows * (t + 1) / tiles - m};
+}
+
 // Copies R rows x 16 of a tile out to y (plus bias), cols of them valid.
 inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col0, int64_t cols, float* y,
                        int64_t ldy) {
@@ -444,7 +450,7 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
             for (int64_t j = 0; j < pn; ++j) prefetch_block<2>(next + j * pbytes, span_blocks * Q4_BLOCK_BYTES);
           }
           for (int64_t t = 0; t < ft; ++t) {
-            const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
+            const auto [m, r] = row_tile(rows, t, ft);
             const float* xt = x + m * ldx + kb * QB;
             const float* xst = xs + m * ldxs + kb;
             float* acc = sums.data() + m * pn * NR;
@@ -455,7 +461,7 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
           }
         }
         for (int64_t t = 0; t < ft; ++t) {
-          const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
+          const auto [m, r] = row_tile(rows, t, ft);
           for (int64_t j = 0; j < pn; ++j)
             store_tile(sums.data() + m * pn * NR + j * r * NR, r, bias, col0 + (n + j) * NR,
                        min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
@@ -467,7 +473,7 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   }
   for (; n < np; ++n)
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m = rows * t / tiles, r = rows * (t + 1) / tiles - m;
+      const auto [m, r] = row_tile(rows, t, tiles);
       // The first row tile of a panel asks for the next panel (past the last:
       // the panels that follow in memory, a prefetch never faults).
       run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, xs + m * ldxs, ldxs, r, tile,
@@ -839,7 +845,7 @@ void q4i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, c
     const int64_t pn = min64(NP_I8D, np - n);
     for (int64_t j = 0; j < pn; ++j) i8_decode_panel(p + (n + j) * pbytes, K, dec.data() + j * dec_bytes);
     for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
-      const int64_t m = rows * t / ft, r = rows * (t + 1) / ft - m;
+      const auto [m, r] = row_tile(rows, t, ft);
       const int8_t* x = xq + m * ldx;
       if (pn == NP_I8D)
         i8_rows<true, MR_I8D, NP_I8D>(dec.data(), dec_bytes, K, x, ldx, dx + m * ldxs, sx + m * ldxs, ldxs, r, tile);
