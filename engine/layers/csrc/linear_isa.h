@@ -37,6 +37,7 @@ constexpr int NP_WIDE_Q4 = 2;  // q4 keeps a block sum beside each accumulator
 constexpr int MR_Q4F = 6, NP_Q4F = 2;
 struct W16 { __m512 v; };
 inline W16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store16(float* p, W16 w) { _mm512_storeu_ps(p, w.v); }
 inline W16 mul(W16 a, W16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline W16 add(W16 a, W16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 // A 64-byte chunk of q4 nibbles (linear_isa_api.h), loaded; row<KK>: input
@@ -76,6 +77,7 @@ constexpr int NP_WIDE_Q4 = 1;
 constexpr int MR_Q4F = MR, NP_Q4F = 1;
 struct W16 { __m256 lo, hi; };
 inline W16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store16(float* p, W16 w) { _mm256_storeu_ps(p, w.lo); _mm256_storeu_ps(p + 8, w.hi); }
 inline W16 mul(W16 a, W16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline W16 add(W16 a, W16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 struct Q4Chunk {
@@ -127,6 +129,7 @@ constexpr int MR_WIDE = 1, NP_WIDE = 1, NP_WIDE_Q4 = 1;
 constexpr int MR_Q4F = MR, NP_Q4F = 1;
 struct W16 { float v[NR]; };
 inline W16 load16(const float* p) { W16 w; std::memcpy(w.v, p, sizeof(w.v)); return w; }
+inline void store16(float* p, const W16& w) { std::memcpy(p, w.v, sizeof(w.v)); }
 inline W16 mul(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] * b.v[j]; return a; }
 inline W16 add(W16 a, W16 b) { for (int j = 0; j < NR; ++j) a.v[j] = a.v[j] + b.v[j]; return a; }
 struct Q4Chunk {
@@ -263,7 +266,11 @@ struct Q4 {
 // panels: there a tile's rows of x would leave L1 between spans.  Zen 3 (avx2
 // fma), 30 layers' projections on distinct weights, best of runs
 // (benchmarks.projection_formats; benchmarks/README.md): 57-77 against 63-82
-// ms at 32 rows, 21-25 against 27-37 at 8.
+// ms at 32 rows, 21-25 against 27-37 at 8.  The decoded values are stored as
+// vectors (store16): copied out with memcpy, GCC took them apart through the
+// stack, a quarter of the 4-bit path's time at 32 rows (perf); stored, the
+// path went to 49.6-65.7 ms at 32 rows (float32 panels 50.9-59.9 in the same
+// runs) and 20.9-22.8 at 8 (panels 30.4-33.5).
 constexpr int64_t Q4F_BLOCK_FLOATS = (2 + QB) * NR;  // d, m, then QB rows of 16 q values
 constexpr int64_t Q4F_SPAN = 8 / NP_Q4F;  // blocks: 17 KB of decoded panels
 constexpr int64_t Q4F_SPAN_ROWS = 64;
@@ -277,8 +284,7 @@ inline void q4_decode_panel(const uint8_t* p, int64_t K, float* out) {
     for (int64_t c = 0; c < QB / 8; ++c) {
       const Q4Chunk chunk(blk + 2 * NR * 4 + c * 64);
       each_of_8([&](auto kk) {
-        const W16 r = chunk.template row<kk>();
-        std::memcpy(o + (2 + c * 8 + kk) * NR, &r, sizeof(r));
+        store16(o + (2 + c * 8 + kk) * NR, chunk.template row<kk>());
       });
     }
   }
