@@ -77,6 +77,8 @@ constexpr int MR_WIDE = 2, NP_WIDE = 2;  // up to 2 rows: 2 panels at once (8 ac
 // dependent FMAs, 8 a chunk at 4 cycles each, which bound it (perf: 32 cycles
 // a chunk of 128 weights); two panels, 4 chains: Zen 3, a single-stream step
 // 15.7-16.7 -> 13.7-14.2 ms (the 4-bit projections 7.8-8.3 -> 6.4-7.4 ms).
+// Two rows spill a few registers at each block's fold and still gain (30
+// layers' projections on one core: 8.4 -> 7.7-7.9 ms).
 constexpr int NP_WIDE_Q4 = 2;
 constexpr int MR_Q4F = MR, NP_Q4F = 1;
 struct W16 { __m256 lo, hi; };
