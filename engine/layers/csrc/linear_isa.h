@@ -269,14 +269,13 @@ struct Q4 {
 // work no longer waits on the weights streaming from memory).  A tile's sums
 // wait in memory between spans (Q4F starts from them), float32 stored and
 // loaded, so the bits are one pass's.  More rows (prompts) decode whole
-// panels: there a tile's rows of x would leave L1 between spans.  Zen 3 (avx2
-// fma), 30 layers' projections on distinct weights, best of runs
-// (benchmarks.projection_formats; benchmarks/README.md): 57-77 against 63-82
-// ms at 32 rows, 21-25 against 27-37 at 8.  The decoded values are stored as
-// vectors (store16): copied out with memcpy, GCC took them apart through the
-// stack, a quarter of the 4-bit path's time at 32 rows (perf); stored, the
-// path went to 49.6-65.7 ms at 32 rows (float32 panels 50.9-59.9 in the same
-// runs) and 20.9-22.8 at 8 (panels 30.4-33.5).
+// panels: there a tile's rows of x would leave L1 between spans.  The decoded
+// values go out with vector stores (store16; copied out with memcpy, GCC took
+// them apart through the stack, a quarter of the path's time at 32 rows).
+// Zen 3 (avx2 fma), 30 layers' projections on distinct weights, best of runs
+// (benchmarks.projection_formats; benchmarks/README.md has the history):
+// 49.6-65.7 ms at 32 rows (float32 panels 50.9-59.9), 20.9-22.8 at 8 (panels
+// 30.4-33.5).
 constexpr int64_t Q4F_BLOCK_FLOATS = (2 + QB) * NR;  // d, m, then QB rows of 16 q values
 constexpr int64_t Q4F_SPAN = 8 / NP_Q4F;  // blocks: 17 KB of decoded panels
 constexpr int64_t Q4F_SPAN_ROWS = 64;
