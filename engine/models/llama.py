@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+# What _forward_fused reads of a layer's submodules, in its order.
+_FUSED_PARTS = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj",
+                "down_proj", "q_norm", "k_norm")
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int) -> None:
         super().__init__()
@@ -117,6 +122,7 @@ class LlamaLayer(nn.Module):
         self.window = spec.window(layer_idx)
         self.scale = spec.attn_scale
         self.fused: ModuleType | None = None  # the CPU kernels' fused small ops, set by pack_linears
+        self._parts: tuple[Any, ...] | None = None  # _FUSED_PARTS (modules, or None), once gathered
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
@@ -148,11 +154,14 @@ class LlamaLayer(nn.Module):
         # The projections' forward() directly: no hooks are ever registered on
         # them, and nn.Module's __call__ machinery costs a few us a call, 120
         # calls a step (the same holds for the layer call in LlamaForCausalLM).
+        # The submodules from a plain tuple: nn.Module looks each one up in
+        # Python (about 1 us; eight a layer).
+        norm1, norm2, qkv_proj, o_proj, gate_up_proj, down_proj, q_norm, k_norm = (
+            self._parts if self._parts is not None else self._gather_parts())
         s, t = self.spec, x.shape[0]
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = self.qkv_proj.forward(f.rms_norm(x, norm1.weight, norm1.eps))
-        if self.q_norm is not None and self.k_norm is not None:  # per head, in place, ahead of rope
-            for norm, lo, n in ((self.q_norm, 0, s.num_heads), (self.k_norm, self.q_size, s.num_kv_heads)):
+        qkv = qkv_proj.forward(f.rms_norm(x, norm1.weight, norm1.eps))
+        if q_norm is not None and k_norm is not None:  # per head, in place, ahead of rope
+            for norm, lo, n in ((q_norm, 0, s.num_heads), (k_norm, self.q_size, s.num_kv_heads)):
                 part = qkv[:, lo:lo + n * s.head_dim]
                 part.copy_(f.rms_norm(part.reshape(t, n, s.head_dim), norm.weight, norm.eps).view(t, -1))
         v = qkv[:, self.q_size + self.kv_size:].view(t, s.num_kv_heads, s.head_dim)
@@ -161,8 +170,17 @@ class LlamaLayer(nn.Module):
                                    s.num_heads, s.num_kv_heads)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
         # x += o_proj(o), then h = norm2(x)
-        h = f.rms_norm(self.o_proj.forward(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)
-        return x.add_(self.down_proj.forward(f.silu_and_mul(self.gate_up_proj.forward(h))))
+        h = f.rms_norm(o_proj.forward(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)
+        return x.add_(down_proj.forward(f.silu_and_mul(gate_up_proj.forward(h))))
+
+    def _gather_parts(self) -> tuple[Any, ...]:
+        parts = self._parts = tuple(getattr(self, name) for name in _FUSED_PARTS)
+        return parts
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _FUSED_PARTS:  # a submodule swapped (a LoRA wrapper): gathered again
+            self.__dict__["_parts"] = None
 
 
 class LlamaForCausalLM(nn.Module):
