@@ -100,6 +100,34 @@ def test_q4_rows_are_their_own_around_the_span_and_tile_switches(kernel, isa: st
             assert torch.equal(kernel.q4_linear(x[i:i + 1], q4, 200)[0], y[i]), f"row {i} of {m}, {isa}"
 
 
+def test_q4_few_rows_keep_their_bits_on_every_set_for_tiny_and_huge_inputs(kernel) -> None:  # type: ignore[no-untyped-def]
+    """One or two rows of a 4-bit layer may read x pre-scaled by powers of two
+    (AVX2: csrc/linear_isa.h, q4_prescale), exact only while the scaled values
+    stay normal: inputs near the bottom of float32's range (subnormal, and
+    normal ones that would scale below it), huge ones and zeros give every set
+    the scalar kernel's bits."""
+    gen = torch.Generator().manual_seed(17)
+    w = q4_weight(96, 576, gen)
+    q4 = q4_blocks(w, kernel)
+    assert q4 is not None
+    cases = []
+    for special in (1e-40, 3e-31, 2.0 ** -100, 1e30, 0.0):
+        x = torch.randn(2, 576, generator=gen)
+        x[:, 1::8] = special  # inputs that are scaled (k % 8 == 1: by 2^-8) ...
+        x[:, 3::16] = -special  # ... (k % 8 == 3: by 2^-24)
+        cases += [x[:1], x]
+    before = kernel.isa()
+    try:
+        kernel.set_isa("scalar")
+        want = [kernel.q4_linear(x, q4, 96) for x in cases]
+        for name in kernel.supported_isas():
+            kernel.set_isa(name)
+            for x, y in zip(cases, want, strict=True):
+                assert torch.equal(kernel.q4_linear(x, q4, 96), y), f"{name}, {x.shape[0]} rows, x {x[0, 1]}"
+    finally:
+        kernel.set_isa(before)
+
+
 def test_silu_and_mul_matches_torch_on_every_set(kernel, isa: str) -> None:  # type: ignore[no-untyped-def]
     """The MLP's silu(gate) * up, as wide as the set's vectors: close to torch,
     and an element's bits do not depend on its lane or on falling in the tail."""

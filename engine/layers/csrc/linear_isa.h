@@ -27,6 +27,7 @@ namespace splitserve_linear {
 namespace {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+constexpr int q4_shift_of(int kk) { return kk < 4 ? 8 * kk : 8 * (kk - 4) + 4; }  // q4_shift, at compile time
 
 #if defined(SPLITSERVE_ISA_AVX512)
 constexpr int MR = 12;  // rows per micro-kernel call: 12 of the 32 vector registers
@@ -98,7 +99,21 @@ struct Q4Chunk {
     return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, q4_shift(KK)), mask)),
             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, q4_shift(KK)), mask))};
   }
+  // row<KK>() times 2^q4_shift(KK), one instruction fewer a half: the nibble
+  // masked in place (its float is exact: at most 4 significant bits below
+  // bit 28).  The top nibble (KK 7, bit 31 the sign) is shifted down as in
+  // row(): q4_row_scale gives its x a scale of 1.
+  template <int KK>
+  W16 row_scaled() const {
+    if constexpr (KK == 7) {
+      return {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 28)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 28))};
+    } else {
+      const __m256i mask = _mm256_set1_epi32(0x0F << q4_shift_of(KK));
+      return {_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask))};
+    }
+  }
 };
+#define SPLITSERVE_Q4_SCALED_X 1
 inline W16 q8_row(const uint8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
@@ -229,7 +244,13 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes) {
 // small integers q as floats (no per-weight rebuild), sum(x) once per row and
 // block (xs, computed by the caller).  Every row count runs this same
 // arithmetic, so a row's result never depends on the batch around it.
-struct Q4 {
+//
+// SCALED (AVX2, up to MR_WIDE rows): x comes pre-scaled by q4_prescale, and
+// each input's q values are read as q * 2^q4_shift(KK) (Q4Chunk::row_scaled,
+// one instruction fewer per 8 weights).  x 2^-s times q 2^s is x q exactly,
+// so each FMA, and the result, is the unscaled one's bit for bit.
+template <bool SCALED>
+struct Q4T {
   static constexpr int NP_MAX = NP_WIDE_Q4;
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
@@ -245,7 +266,12 @@ struct Q4 {
         Q4Chunk chunk[NP];
         for (int n = 0; n < NP; ++n) chunk[n] = Q4Chunk(nib + n * pbytes);
         each_of_8([&](auto kk) {
-          for (int n = 0; n < NP; ++n) s[n].fma(x, ldx, kb * QB + c * 8 + kk, chunk[n].template row<kk>());
+          for (int n = 0; n < NP; ++n) {
+            if constexpr (SCALED)
+              s[n].fma(x, ldx, kb * QB + c * 8 + kk, chunk[n].template row_scaled<kk>());
+            else
+              s[n].fma(x, ldx, kb * QB + c * 8 + kk, chunk[n].template row<kk>());
+          }
         });
       }
       for (int n = 0; n < NP; ++n) {
@@ -256,6 +282,31 @@ struct Q4 {
     for (int n = 0; n < NP; ++n) acc[n].store(tile + n * R * NR);
   }
 };
+using Q4 = Q4T<false>;
+
+#if defined(SPLITSERVE_Q4_SCALED_X)
+// x's `rows` rows (ldx apart), K inputs each, into `out` (K a row) with input k
+// scaled by 2^-q4_shift(k % 8) (1 for the top nibble, k % 8 == 7), as
+// Q4T<true> reads them.  False where a nonzero value would scale below the
+// normal range (it would lose bits): the caller keeps the unscaled path.
+inline bool q4_prescale(const float* x, int64_t ldx, int64_t K, int64_t rows, std::vector<float>& out) {
+  out.resize(static_cast<size_t>(rows * K));
+  alignas(32) float scale[8];
+  for (int kk = 0; kk < 8; ++kk) scale[kk] = kk == 7 ? 1.0f : 1.0f / static_cast<float>(1 << q4_shift_of(kk));
+  const __m256 sv = _mm256_load_ps(scale);
+  const __m256 tiny = _mm256_set1_ps(0x1p-102f), zero = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 bad = zero;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; k += 8) {  // K is a multiple of 32
+      const __m256 v = _mm256_loadu_ps(x + r * ldx + k);
+      const __m256 a = _mm256_and_ps(v, abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_and_ps(_mm256_cmp_ps(a, tiny, _CMP_LT_OQ), _mm256_cmp_ps(a, zero, _CMP_NEQ_OQ)));
+      _mm256_storeu_ps(out.data() + r * K + k, _mm256_mul_ps(v, sv));
+    }
+  return _mm256_movemask_ps(bad) == 0;
+}
+#endif
 
 // Many rows against a 4-bit panel: the panel decoded once (the q values as
 // floats, exact; d and m as stored) into a buffer each row tile then reads,
@@ -434,6 +485,18 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   }
 #endif
   if (rows <= MR_WIDE) {  // few rows: several panels at a time
+#if defined(SPLITSERVE_Q4_SCALED_X)
+    if constexpr (std::is_same_v<Format, Q4>) {
+      thread_local std::vector<float> scaled;
+      if (q4_prescale(x, ldx, K, rows, scaled))
+        for (; n + NPW <= np; n += NPW) {
+          run_rows<Q4T<true>, MR_WIDE, NPW>(p + n * pbytes, pbytes, K, scaled.data(), K, xs, ldxs, rows, tile);
+          for (int64_t j = 0; j < NPW; ++j)
+            store_tile(tile + j * rows * NR, rows, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y,
+                       ldy);
+        }
+    }
+#endif
     for (; n + NPW <= np; n += NPW) {
       run_rows<Format, MR_WIDE, NPW>(p + n * pbytes, pbytes, K, x, ldx, xs, ldxs, rows, tile);
       for (int64_t j = 0; j < NPW; ++j)
