@@ -45,7 +45,11 @@ from kvtransfer.listen_host import ListenHost
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender, SendFault
 from kvtransfer.stats import DirectionStats, TransferRecord, TransportStats
-from kvtransfer.ucx_env import apply_ucx_env_defaults, import_what_the_progress_thread_would
+from kvtransfer.ucx_env import (
+    apply_ucx_env_defaults,
+    import_what_the_progress_thread_would,
+    lengthen_progress_wait,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,8 @@ class KVTransport:
         apply_ucx_env_defaults()
         import_what_the_progress_thread_would()
         import ucxx
+
+        lengthen_progress_wait()
 
         self._listener = ucxx.create_listener(self._receiver.serve, port=self._port)
         log.info("kvtransfer: listening on %s (%s)", self.address, self.layout)

@@ -9,6 +9,7 @@ Every wait is bounded; the fixture stops them all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -347,6 +349,37 @@ def test_sender_killed_mid_transfer(peers: Peers) -> None:
     tx.call("send", "f32", rx.addresses["f32"], t2, src, dst, tok2)
     assert rx.call("wait", t2, 10.0) == 64 * BLOCK_BYTES
     assert_only(rx.call("digests", "f32"), before, moved(tx_digests, src, dst))
+
+
+def wakeups(pid: int) -> int:
+    """Times the process's threads have gone to sleep and been woken, so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
+def test_an_idle_transport_lets_its_process_sleep(peers: Peers) -> None:
+    """ucxx's progress thread waited 1 ms in epoll and woke ~900 times a second with
+    nothing to do, a few percent of a core in every idle worker (and a core taken
+    from the engine's kernels at each wake-up under load).  The receiver holds four
+    transports, has received transfers and is idle now: all its threads together
+    (the event loop, UCX's, torch's) wake a few dozen times a second."""
+    rx, tx = peers.rx, peers.tx
+    src, dst = sample_ids("idle", 8)
+    t = tid("idle")
+    tok = rx.call("expect", "f32", t, dst)
+    nbytes, _ = tx.call("send", "f32", rx.addresses["f32"], t, src, dst, tok)
+    assert rx.call("wait", t, 10.0) == nbytes  # the transfer, and with it UCX's threads, have run
+    pid = rx.process.pid
+    assert pid is not None
+    before, start = wakeups(pid), time.monotonic()
+    time.sleep(2.0)  # the measurement is a rate over a window
+    rate = (wakeups(pid) - before) / (time.monotonic() - start)
+    assert rate < 300, f"the idle receiver's threads woke {rate:.0f} times a second"
 
 
 def test_a_connection_off_the_listen_host_is_closed_unread(peers: Peers) -> None:
