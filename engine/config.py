@@ -10,7 +10,7 @@ from engine.vocab.lora_request import LoRAConfig, LoRARequest
 
 Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 PREFILL_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
 DECODE_DTYPES = ("auto", "int8")  # auto: the model's dtype (engine/layers/packed_linear.py)
 MAX_SPECULATIVE_TOKENS = 16

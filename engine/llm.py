@@ -42,8 +42,8 @@ class LLM:
         """speculative_config: vLLM's shape, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         {"method": "draft", "model": PATH, ...} or {"method": "layerskip", "num_layers": 8, ...}.
-        kv_cache_dtype: auto (the model's dtype), bfloat16 (half a float32 model's cache), fp8_e4m3 or
-            fp8_e5m2 (engine/layers/kv_quant.py).
+        kv_cache_dtype: auto (the model's dtype), bfloat16 or float16 (half a float32 model's cache),
+            fp8_e4m3 or fp8_e5m2 (engine/layers/kv_quant.py).
         prefill_dtype: auto (every token in the model's dtype) or bfloat16 (a float32 model on a CPU
             with AVX512-BF16: prompt tokens through bfloat16 projections, twice as fast; generated
             tokens stay exact).

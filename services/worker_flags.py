@@ -54,8 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory,
                    help="KV budget: a fraction of free memory (<= 1) or bytes (> 1)")
     g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto (the model's dtype); bfloat16, half a float32 model's "
-                        "cache; or fp8, half a bfloat16 cache (twice the blocks, half the bytes sent to "
+                   help="KV cache storage: auto (the model's dtype); bfloat16 or float16, half a float32 "
+                        "model's cache (float16: 3 more bits, a narrower range); or fp8, half a "
+                        "bfloat16 cache (twice the blocks, half the bytes sent to "
                         "decode and read each step); prefill and decode must agree")
     g.add_argument("--prefill-dtype", default=ModelConfig.prefill_dtype, choices=PREFILL_DTYPES,
                    help="auto: prompts in --dtype; bfloat16: a float32 model's prompt tokens through "

@@ -66,7 +66,7 @@ def test_every_kernel_path_gives_the_same_logits_batched_or_alone(llm: LLM) -> N
             assert t0 == t1 and torch.equal(l0, l1), f"{name} differs from {first}"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "fp8_e4m3"])
 def test_a_prompt_gives_the_same_logits_whole_chunked_or_after_a_cached_prefix(kv_cache_dtype: str) -> None:
     """The CPU prefill attention cuts every query's sums at fixed key positions
     and the projections are row by row, so a prompt's logits do not depend on

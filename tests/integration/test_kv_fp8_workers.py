@@ -1,7 +1,7 @@
-"""fp8 and bfloat16 KV between real workers: a prefill and a decode worker with
+"""fp8, bfloat16 and float16 KV between real workers: a prefill and a decode worker with
 --kv-cache-dtype fp8_e4m3 move a quarter of the bytes a float32 pair moves for
 the same prompt (half of a bfloat16 pair's), a float32 pair with
---kv-cache-dtype bfloat16 half, counted by the sender and the receiver; the
+--kv-cache-dtype bfloat16 or float16 half, counted by the sender and the receiver; the
 split's tokens equal one engine's with the same cache; and an fp8 decode worker
 refuses a non-fp8 prefill worker at the layout check, naming the field."""
 
@@ -17,13 +17,13 @@ from .test_workers import generate, load
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = "A prompt about the tides, the moon and the fishermen who read them. " * 4
-KV = ("auto", "fp8_e4m3", "bfloat16")
+KV = ("auto", "fp8_e4m3", "bfloat16", "float16")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """{kv dtype: (prefill, decode)}: a float32 pair, an fp8 pair and a bfloat16
-    pair (float32 models), each worker allowed to reach the other role's."""
+    """{kv dtype: (prefill, decode)}: a float32 pair, an fp8 pair, a bfloat16
+    and a float16 pair (float32 models), each worker allowed to reach the other role's."""
     tmp = tmp_path_factory.mktemp("fp8")
     ports = {(kv, role): free_port() for kv in KV for role in ("prefill", "decode")}
     other = {"prefill": "decode", "decode": "prefill"}
@@ -67,13 +67,14 @@ def test_fp8_moves_a_quarter_of_float32_and_equals_one_engine(cluster) -> None: 
     assert len(tokens32) == len(tokens8) == GREEDY.max_tokens
 
 
-def test_bfloat16_moves_half_of_float32_and_equals_one_engine(cluster) -> None:  # type: ignore[no-untyped-def]
-    half = LLM(dtype="float32", num_blocks=64, num_threads=1, max_model_len=1024, kv_cache_dtype="bfloat16")
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_a_half_cache_moves_half_of_float32_and_equals_one_engine(cluster, kv: str) -> None:  # type: ignore[no-untyped-def]
+    half = LLM(dtype="float32", num_blocks=64, num_threads=1, max_model_len=1024, kv_cache_dtype=kv)
     assert half.engine.runner.kv_cache.dtype.itemsize == 2
-    ids = half.tokenizer.encode(PROMPT.replace("tides", "winds"))  # not in the float32 pair's prefix cache
-    _, sent32, recv32 = _moved(*cluster["auto"], "f32-for-bf16", ids)
-    tokens16, sent16, recv16 = _moved(*cluster["bfloat16"], "bf16", ids)
-    print(f"\nKV bytes for {len(ids)} prompt tokens: float32 sent {sent32}; bfloat16 sent {sent16} "
+    ids = half.tokenizer.encode(PROMPT.replace("tides", f"winds ({kv})"))  # not in the float32 pair's cache
+    _, sent32, recv32 = _moved(*cluster["auto"], f"f32-for-{kv}", ids)
+    tokens16, sent16, recv16 = _moved(*cluster[kv], kv, ids)
+    print(f"\nKV bytes for {len(ids)} prompt tokens: float32 sent {sent32}; {kv} sent {sent16} "
           f"received {recv16}")
     assert sent16 == recv16 == -(-len(ids) // 16) * half.engine.runner.block_bytes > 0
     assert sent32 == recv32 == 2 * sent16

@@ -1,7 +1,8 @@
-"""A float32 model's bfloat16 KV cache (--kv-cache-dtype bfloat16): every
-attention reader (the torch path, the CPU kernels, Triton by its interpreter)
-computes on exactly the widened values, in float32; and the CPU kernels widen
-fp8 bytes exactly as torch does, all 256 of them."""
+"""A float32 model's bfloat16 or float16 KV cache (--kv-cache-dtype bfloat16,
+float16): every attention reader (the torch path, the CPU kernels, Triton by
+its interpreter) computes on exactly the widened values, in float32; and the
+CPU kernels widen fp8 bytes exactly as torch does, all 256 of them, and every
+float16 value."""
 
 from __future__ import annotations
 
@@ -18,60 +19,69 @@ from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, rows_reading_th
 # bfloat16 keeps 8 bits of mantissa: a value is off by up to 2**-9 of itself, so
 # a one-key output (= v) of unit-normal values may be 0.01 off; a misread
 # element (a wrong byte order, a float read as two halves) is off by about 1.
-BF16_MAX_ERR, BF16_MEAN_ERR = 0.02, 0.002
+# float16 keeps 11: eight times closer.
+MAX_ERR = {torch.bfloat16: (0.02, 0.002), torch.float16: (0.0025, 0.00025)}
+HALVES = [torch.bfloat16, torch.float16]
 
 
 def test_flag_values() -> None:
     assert resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_dtype("float16", torch.float32) == torch.float16
+    assert CacheConfig(kv_cache_dtype="float16").kv_cache_dtype == "float16"
     assert CacheConfig(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, bfloat16, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_dtype: must be one of auto, bfloat16, float16, fp8_e4m3, fp8_e5m2"):
         CacheConfig(kv_cache_dtype="bf16")
 
 
-def _close_to_float(out: torch.Tensor, expected: torch.Tensor) -> None:
+def _close_to_float(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     err = (out.float() - expected).abs()
-    assert err.max().item() < BF16_MAX_ERR, err.max().item()
-    assert err.mean().item() < BF16_MEAN_ERR, err.mean().item()
+    max_err, mean_err = MAX_ERR[dtype]
+    assert err.max().item() < max_err, err.max().item()
+    assert err.mean().item() < mean_err, err.mean().item()
 
 
+@pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_torch_path_and_cpu_kernels_read_bf16_under_float32(block_size: int) -> None:
+def test_torch_path_and_cpu_kernels_read_a_half_cache_under_float32(block_size: int,
+                                                                     dtype: torch.dtype) -> None:
     assert load_cpu_kernel() is not None
-    q, k_new, v_new, cache, meta, ref, expected = quantized_step(torch.bfloat16, MIXED_BATCH, block_size, 21)
-    assert cache.dtype == torch.bfloat16
+    q, k_new, v_new, cache, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, block_size, 21)
+    assert cache.dtype == dtype
     assert q.dtype == torch.float32
     rows = rows_reading_the_cache(MIXED_BATCH, meta)
     for use_kernel in (True, False):
         out = paged_attention(q, k_new, v_new, cache, LAYER, meta, 64 ** -0.5, use_kernel=use_kernel)
         assert out.dtype == torch.float32
         assert (out[rows] - ref[rows]).abs().max().item() < 1e-5, use_kernel
-        _close_to_float(out, expected)
+        _close_to_float(out, expected, dtype)
     # The decode kernel alone over the widened cache: the same sums as over a float32 copy.
     nd = meta.num_decodes
     kernel = load_cpu_kernel()
     args = (LAYER, meta.block_tables[:nd], meta.seq_lens[:nd], 64 ** -0.5)
-    from_bf16 = kernel.paged_decode_attention(q[:nd], cache, *args)  # type: ignore[union-attr]
+    from_half = kernel.paged_decode_attention(q[:nd], cache, *args)  # type: ignore[union-attr]
     from_f32 = kernel.paged_decode_attention(q[:nd], cache.float(), *args)  # type: ignore[union-attr]
-    assert torch.equal(from_bf16, from_f32)
+    assert torch.equal(from_half, from_f32)
 
 
-def test_triton_reads_bf16_under_float32() -> None:
+@pytest.mark.parametrize("dtype", HALVES)
+def test_triton_reads_a_half_cache_under_float32(dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
     from engine.layers.triton_attention import triton_paged_attention
 
-    q, _, _, cache, meta, ref, expected = quantized_step(torch.bfloat16, MIXED_BATCH, 16, 22)
+    q, _, _, cache, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, 16, 22)
     out = triton_paged_attention(q, cache, LAYER, meta, 64 ** -0.5)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max().item() < 1e-4  # every key from the cache: the rounded reference
-    _close_to_float(out, expected)
+    _close_to_float(out, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16])
 def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype) -> None:
     """One key and one value per sequence, so the output is the value row
-    itself (softmax over one key is 1): every byte pattern of fp8 (256), and a
-    spread of bfloat16 ones (normals, subnormals, signed zeros, infinities),
+    itself (softmax over one key is 1): every byte pattern of fp8 (256) and of
+    float16 (65536), and a spread of bfloat16 ones (normals, subnormals, signed zeros, infinities),
     widened by the kernel equal torch's own conversion (NaN stays NaN)."""
     kernel = load_cpu_kernel()
     assert kernel is not None
@@ -79,6 +89,8 @@ def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype) -> None
         bits = torch.cat([torch.arange(0, 65536, 257), torch.tensor([0x0001, 0x8001, 0x007f, 0x0080, 0x8000,
                                                                      0x7f80, 0xff80, 0x7f7f, 0xff7f])])
         stored = bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)  # the same 16 bits
+    elif dtype == torch.float16:  # all of them
+        stored = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
     else:
         stored = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
     n = stored.numel()

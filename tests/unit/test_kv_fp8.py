@@ -31,7 +31,8 @@ def test_flag_values() -> None:
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
     assert resolve_kv_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
-    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, bfloat16, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_dtype: must be one of auto, bfloat16, float16, fp8_e4m3, fp8_e5m2"):
         CacheConfig(kv_cache_dtype="fp8")
 
 

@@ -136,9 +136,10 @@ def test_fused_rms_norm_matches_the_module(kernel, rows: int) -> None:  # type: 
 
 
 @pytest.mark.parametrize("cache_dtype",
-                         [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+                         [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                          torch.float8_e5m2])
 def test_fused_rope_and_kv_store_match_the_torch_ops(kernel, cache_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    """A bfloat16 or fp8 cache (--kv-cache-dtype) holds exactly what write_kv
+    """A bfloat16, float16 or fp8 cache (--kv-cache-dtype) holds exactly what write_kv
     stores (torch's rounding to nearest even; fp8 saturated at its largest
     finite value); q and k come back in float32, unrounded, either way."""
     from engine.layers.attention import write_kv
@@ -176,6 +177,43 @@ def test_fused_rope_and_kv_store_match_the_torch_ops(kernel, cache_dtype: torch.
         torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.rope_and_store_kv(qkv, cos, sin, cache, layer, torch.tensor([0, 1, 2, 3, 32]), hq, hkv)
+
+
+def float16_edges() -> torch.Tensor:
+    """float32 values at every float16 rounding edge: each float16 value, the
+    midpoints between neighbours (ties, to even) and the float32s either side
+    of them, the overflow edge (65504 stays, from 65520 infinity), subnormals,
+    signed zeros, infinities and NaN."""
+    h = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    mid = (h[:-1] + h[1:]) / 2  # exact in float32
+    bits = mid.view(torch.int32)
+    near = torch.cat([(bits - 1).view(torch.float32), (bits + 1).view(torch.float32)])
+    special = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e5, 2.0 ** -25, 2.0 ** -25 * 1.0001,
+                            2.0 ** -26, 1e-40, 2.0 ** -14, 2.0 ** -24 * 1.5, float("inf"), float("nan"), 0.0])
+    pos = torch.cat([h, mid, near, special])
+    return torch.cat([pos, -pos])
+
+
+@pytest.mark.parametrize("head_dim", [6, 14, 64])  # 6: no group of 8; 14: 8 by F16C where present, 6 not
+def test_the_float16_store_rounds_as_torch_does(kernel, head_dim: int) -> None:  # type: ignore[no-untyped-def]
+    """A float16 cache stores each value as torch's .to(float16) rounds it, bit
+    for bit: nearest, ties to even, infinite from 65520 up, subnormals below
+    2**-14, NaN a NaN (on every CPU: F16C 8 at a time where the CPU has it, the
+    integer conversion for the rest)."""
+    values = float16_edges()
+    t = -(-values.numel() // head_dim)
+    v = torch.zeros(t * head_dim)
+    v[:values.numel()] = values
+    qkv = torch.cat([torch.zeros(t, 2 * head_dim), v.view(t, head_dim)], dim=1)  # q, k zero: v alone
+    cos, sin = torch.ones(t, 1, head_dim // 2), torch.zeros(t, 1, head_dim // 2)
+    bs = 16
+    cache = torch.zeros(-(-t // bs), 1, 2, bs, 1, head_dim, dtype=torch.float16)
+    kernel.rope_and_store_kv(qkv, cos, sin, cache, 0, torch.arange(t), 1, 1)
+    got = cache[:, 0, 1].reshape(-1)[:values.numel()]
+    want = values.to(torch.float16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
 def test_fused_silu_and_mul(kernel) -> None:  # type: ignore[no-untyped-def]

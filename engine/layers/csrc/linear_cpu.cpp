@@ -28,6 +28,7 @@
 #include <cstring>
 #include <atomic>
 #include <cstdlib>
+#include <immintrin.h>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -485,6 +486,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
   return out;
 }
 
+// A float32 rounded to the nearest float16, ties to even, as torch's
+// .to(float16) rounds: past 65504 (from 65520 up) infinity, NaN a quiet NaN,
+// below 2**-14 a subnormal.  In integers: c10's portable conversion scales by
+// constants that -ffast-math may fold together, losing the overflow.
+inline uint16_t half_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;
+  if (a >= 0x38800000u)  // a normal float16: rebias the exponent, round away 13 mantissa bits
+    return sign | static_cast<uint16_t>((a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13);
+  const uint32_t e = a >> 23;  // below 2**-14: the multiple of 2**-24 nearest, ties to even
+  if (e < 102) return sign;    // under 2**-25
+  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u, shift = 126 - e;
+  const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
+}
+
+// The same, 8 at a time where the CPU has F16C (every AVX2 CPU): -> how many done.
+__attribute__((target("avx,f16c"))) int64_t halves_f16c(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return i;
+}
+
 // n floats into a cache of T: fp8 saturates at its largest finite value
 // (a plain conversion makes NaN or inf past it), then every type rounds as c10 does.
 template <typename T>
@@ -492,6 +522,11 @@ void store_as(const float* src, char* dst, int64_t n) {
   T* out = reinterpret_cast<T*>(dst);
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     for (int64_t i = 0; i < n; ++i) out[i] = T(src[i]);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+    const int64_t done = f16c ? halves_f16c(src, bits, n) : 0;
+    for (int64_t i = done; i < n; ++i) bits[i] = half_bits(src[i]);
   } else {
     const float top = static_cast<float>(std::numeric_limits<T>::max());
     for (int64_t i = 0; i < n; ++i) out[i] = T(std::isnan(src[i]) ? src[i] : std::min(std::max(src[i], -top), top));
@@ -501,6 +536,7 @@ void store_as(const float* src, char* dst, int64_t n) {
 void store_row(at::ScalarType ct, const float* src, char* dst, int64_t n) {
   switch (ct) {
     case at::kBFloat16: return store_as<c10::BFloat16>(src, dst, n);
+    case at::kHalf: return store_as<c10::Half>(src, dst, n);
     case at::kFloat8_e4m3fn: return store_as<c10::Float8_e4m3fn>(src, dst, n);
     case at::kFloat8_e5m2: return store_as<c10::Float8_e5m2>(src, dst, n);
     default: std::memcpy(dst, src, n * sizeof(float));  // float32 (checked by the caller)
@@ -510,19 +546,21 @@ void store_row(at::ScalarType ct, const float* src, char* dst, int64_t n) {
 // The attention block's input side for T new tokens: rotate q and k (rotate-half
 // rope with cos/sin [T, D/2]), store k and v in the paged cache at
 // slot_mapping[t]; return the rotated q [T, Hq, D] and k [T, Hkv, D] (float32).
-//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D], float32, bfloat16 or fp8
+//   qkv: [T, (Hq + 2 Hkv) D]   kv_cache: [blocks, layers, 2, block_size, Hkv, D], float32, bfloat16, float16
+//   or fp8
 std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rope_and_store_kv: float32 only");
-  // A bfloat16 or fp8 cache (--kv-cache-dtype) stores k and v as
+  // A bfloat16, float16 or fp8 cache (--kv-cache-dtype) stores k and v as
   // engine/layers/kv_quant.py's quantize does: rounded to nearest even by
   // c10's conversion (torch's .to), fp8 first clamped to its largest finite
   // value (the cache's scale is 1).
   const auto ct = kv_cache.scalar_type();
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2,
-              "rope_and_store_kv: a float32, bfloat16 or fp8 cache only");
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf || ct == at::kFloat8_e4m3fn ||
+                  ct == at::kFloat8_e5m2,
+              "rope_and_store_kv: a float32, bfloat16, float16 or fp8 cache only");
   TORCH_CHECK(kv_cache.is_contiguous(), "rope_and_store_kv: the KV cache must be contiguous");
   const int64_t D = kv_cache.size(5), half = D / 2, bs = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == num_kv_heads, "rope_and_store_kv: KV heads do not match the cache");

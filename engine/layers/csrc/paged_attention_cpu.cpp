@@ -4,7 +4,7 @@
 //
 //   q:            [B, Hq, D]
 //   kv_cache:     [num_blocks, num_layers, 2, block_size, Hkv, D], q's dtype,
-//                 bfloat16 (a float32 model's half-size cache) or fp8 (e4m3fn,
+//                 bfloat16 or float16 (a float32 model's half-size cache) or fp8 (e4m3fn,
 //                 e5m2); rows are widened to float32 as they are loaded (the
 //                 cache's scale is 1, see engine/layers/kv_quant.py)
 //   block_tables: [B, max_blocks] int32
@@ -36,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,20 @@ inline const float* as_floats(const c10::BFloat16* row, float* buf, int64_t D) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
   uint32_t* out = reinterpret_cast<uint32_t*>(buf);
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  return buf;
+}
+
+// float16 rows: F16C widens 8 at a time (exact: every float16 is a float32);
+// without it, c10's conversion, value by value.
+inline const float* as_floats(const c10::Half* row, float* buf, int64_t D) {
+#if defined(__F16C__)
+  const __m128i* bits = reinterpret_cast<const __m128i*>(row);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(bits + d / 8)));
+  for (; d < D; ++d) buf[d] = to_f(row[d]);
+#else
+  for (int64_t d = 0; d < D; ++d) buf[d] = to_f(row[d]);
+#endif
   return buf;
 }
 
@@ -298,7 +312,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   }
 }
 
-// scalar_t: the query's and output's dtype; cache_t: the cache's (the same, bfloat16 or fp8).
+// scalar_t: the query's and output's dtype; cache_t: the cache's (the same, bfloat16, float16 or fp8).
 template <typename scalar_t, typename cache_t, int D_>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -872,7 +886,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
   TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
   const auto cache_type = kv_cache.scalar_type();
   const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
-  TORCH_CHECK(fp8 || cache_type == at::kBFloat16 || q.scalar_type() == cache_type, "q and kv_cache dtypes differ");
+  TORCH_CHECK(fp8 || cache_type == at::kBFloat16 || cache_type == at::kHalf || q.scalar_type() == cache_type,
+              "q and kv_cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
@@ -888,6 +903,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
       decode_heads<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
     else if (cache_type == at::kBFloat16)
       decode_heads<scalar_t, c10::BFloat16>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+    else if (cache_type == at::kHalf)
+      decode_heads<scalar_t, c10::Half>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
     else
       decode_heads<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
   });
@@ -906,7 +923,8 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t la
               "paged_prefill_attention: the head size must be a multiple of 16 and match the cache");
   const auto cache_type = kv_cache.scalar_type();
   const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
-  TORCH_CHECK(fp8 || cache_type == at::kBFloat16 || q.scalar_type() == cache_type, "q and kv_cache dtypes differ");
+  TORCH_CHECK(fp8 || cache_type == at::kBFloat16 || cache_type == at::kHalf || q.scalar_type() == cache_type,
+              "q and kv_cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2, "block_tables must be int32 [B, n]");
   TORCH_CHECK(q.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(window >= 0, "window: must be >= 0 (0: no sliding window)");
@@ -947,6 +965,9 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor kv_cache, int64_t la
     else if (cache_type == at::kBFloat16)
       prefill::prefill_kernel<scalar_t, c10::BFloat16>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
                                                        window, bf16_rows, out);
+    else if (cache_type == at::kHalf)
+      prefill::prefill_kernel<scalar_t, c10::Half>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
+                                                   window, bf16_rows, out);
     else
       prefill::prefill_kernel<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, query_lens, seq_lens, scale,
                                                   window, bf16_rows, out);
