@@ -403,10 +403,11 @@ def main() -> int:
     decodes_in: dict[str, str] = {}  # label -> dtype its generated tokens compute in
     disagg_label = ""
 
+    # The dtype=auto stacks' decodes (the split and offline): --decode-dtype is a float32 option.
+    auto_decodes = args.decode_dtype if served_dtype("auto") == "float32" else "auto"
     if only & {1, 5}:
-        decodes = args.decode_dtype if served_dtype("auto") == "float32" else "auto"  # a float32 option
         with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype, prompts=args.prefill_dtype,
-                           decodes=decodes) as disagg:
+                           decodes=auto_decodes) as disagg:
             disagg_label = disagg.label
             if 5 in only:
                 ok = disagg.start_s <= 10
@@ -531,9 +532,8 @@ def main() -> int:
         # Both at their best here: splitserve with this run's flags, Hugging
         # Face in float32 and, where bf16 is native, in bfloat16 too (its
         # faster dtype there, as vLLM's), held to the faster of the two.
-        decodes = args.decode_dtype if served_dtype("auto") == "float32" else "auto"
         flags = ["--json", "--kv-cache-dtype", args.kv_cache_dtype, "--prefill-dtype", args.prefill_dtype,
-                 "--decode-dtype", decodes, "--hf-dtypes", "float32,bfloat16" if native else "float32"]
+                 "--decode-dtype", auto_decodes, "--hf-dtypes", "float32,bfloat16" if native else "float32"]
         if args.quick:
             flags += ["--num-prompts", "16"]
         cmd = [sys.executable, "-m", "services.cli", "bench", "offline", *flags]

@@ -490,7 +490,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
 // .to(float16) rounds: past 65504 (from 65520 up) infinity, NaN a quiet NaN,
 // below 2**-14 a subnormal.  In integers: c10's portable conversion scales by
 // constants that -ffast-math may fold together, losing the overflow.
-inline uint16_t half_bits(float x) {
+static inline uint16_t half_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
@@ -507,7 +507,7 @@ inline uint16_t half_bits(float x) {
 }
 
 // The same, 8 at a time where the CPU has F16C (every AVX2 CPU): -> how many done.
-__attribute__((target("avx,f16c"))) int64_t halves_f16c(const float* src, uint16_t* dst, int64_t n) {
+__attribute__((target("avx,f16c"))) static int64_t halves_f16c(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),

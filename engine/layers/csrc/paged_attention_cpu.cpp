@@ -110,14 +110,12 @@ inline const float* as_floats(const c10::BFloat16* row, float* buf, int64_t D) {
 // float16 rows: F16C widens 8 at a time (exact: every float16 is a float32);
 // without it, c10's conversion, value by value.
 inline const float* as_floats(const c10::Half* row, float* buf, int64_t D) {
+  int64_t d = 0;
 #if defined(__F16C__)
   const __m128i* bits = reinterpret_cast<const __m128i*>(row);
-  int64_t d = 0;
   for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(bits + d / 8)));
-  for (; d < D; ++d) buf[d] = to_f(row[d]);
-#else
-  for (int64_t d = 0; d < D; ++d) buf[d] = to_f(row[d]);
 #endif
+  for (; d < D; ++d) buf[d] = to_f(row[d]);
   return buf;
 }
 
