@@ -47,10 +47,11 @@ def environment() -> dict[str, Any]:
             "transformers": transformers.__version__}
 
 
-def decode_step(batch: int, context: int, dtype: torch.dtype, num_layers: int = 1
+def decode_step(batch: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+                num_layers: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """A decode step of `batch` sequences of `context` keys each, in shuffled
-    cache blocks.  -> (q, k_new, v_new, kv_cache, meta)."""
+    cache blocks of `kv_dtype`, queries of `dtype`.  -> (q, k_new, v_new, kv_cache, meta)."""
     from engine.layers.attention import AttentionMetadata
 
     dev = torch.device("cuda")
@@ -58,14 +59,14 @@ def decode_step(batch: int, context: int, dtype: torch.dtype, num_layers: int = 
     num_blocks = batch * per_seq + 1
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + context)
     kv_cache = torch.randn(num_blocks, num_layers, 2, BLOCK, KV_HEADS, HEAD_DIM, device=dev,
-                           dtype=dtype, generator=gen)
+                           dtype=dtype, generator=gen).to(kv_dtype)
     tables = torch.randperm(num_blocks, device=dev, generator=gen)[:batch * per_seq]
     tables = tables.view(batch, per_seq).to(torch.int32)
     last = context - 1
     slots = tables[:, last // BLOCK].long() * BLOCK + last % BLOCK
     q = torch.randn(batch, HEADS, HEAD_DIM, device=dev, dtype=dtype, generator=gen)
-    k_new = kv_cache[:, 0, 0].reshape(-1, KV_HEADS, HEAD_DIM)[slots]
-    v_new = kv_cache[:, 0, 1].reshape(-1, KV_HEADS, HEAD_DIM)[slots]
+    k_new = kv_cache[:, 0, 0].reshape(-1, KV_HEADS, HEAD_DIM)[slots].to(dtype)
+    v_new = kv_cache[:, 0, 1].reshape(-1, KV_HEADS, HEAD_DIM)[slots].to(dtype)
     meta = AttentionMetadata(
         slot_mapping=slots,
         query_start_loc=torch.arange(batch + 1, device=dev, dtype=torch.int32),
@@ -80,28 +81,33 @@ def kernel_report() -> list[dict[str, Any]]:
 
 
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for batch, context in ((1, 512), (16, 1024), (64, 2048), (256, 1024)):
-            rows.append(time_kernel(batch, context, dtype))
+    shapes = ((1, 512), (16, 1024), (64, 2048), (256, 1024))
+    # float32 queries over a float16 cache: what --kv-cache-dtype float16 serves
+    for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                            (torch.float32, torch.float16)):
+        for batch, context in shapes:
+            rows.append(time_kernel(batch, context, dtype, kv_dtype))
             print(f"kernel {rows[-1]}", flush=True)
     return rows
 
 
-def time_kernel(batch: int, context: int, dtype: torch.dtype) -> dict[str, Any]:
+def time_kernel(batch: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype
+                ) -> dict[str, Any]:
     from triton.testing import do_bench
 
     from engine.layers.attention import paged_attention
     from engine.layers.triton_attention import triton_paged_attention
 
     scale = HEAD_DIM ** -0.5
-    q, k_new, v_new, kv_cache, meta = decode_step(batch, context, dtype)
+    q, k_new, v_new, kv_cache, meta = decode_step(batch, context, dtype, kv_dtype)
     ref = paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale, use_kernel=False)
     out = triton_paged_attention(q, kv_cache, 0, meta, scale)
     t_triton = do_bench(lambda: triton_paged_attention(q, kv_cache, 0, meta, scale))
     t_torch = do_bench(lambda: paged_attention(q, k_new, v_new, kv_cache, 0, meta, scale,
                                                use_kernel=False))
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * kv_cache.element_size()
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+    return {"dtype": str(dtype).removeprefix("torch."),
+            "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch, "context": context,
             "max_abs_err": (out.float() - ref.float()).abs().max().item(),
             "triton_us": t_triton * 1e3, "torch_us": t_torch * 1e3,
             "triton_kv_gb_s": kv_bytes / (t_triton * 1e-3) / 1e9}

@@ -14,7 +14,12 @@ from engine.layers.attention import paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel
 from engine.layers.kv_quant import resolve_kv_dtype
 from tests.unit.test_kv_fp8 import quantized_step
-from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, rows_reading_the_cache
+from tests.unit.test_triton_attention import (
+    LAYER,
+    MIXED_BATCH,
+    rows_reading_the_cache,
+    triton_on_kernel_device,
+)
 
 # bfloat16 keeps 8 bits of mantissa: a value is off by up to 2**-9 of itself, so
 # a one-key output (= v) of unit-normal values may be 0.01 off; a misread
@@ -68,10 +73,9 @@ def test_torch_path_and_cpu_kernels_read_a_half_cache_under_float32(block_size: 
 @pytest.mark.parametrize("dtype", HALVES)
 def test_triton_reads_a_half_cache_under_float32(dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
-    from engine.layers.triton_attention import triton_paged_attention
 
     q, _, _, cache, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, 16, 22)
-    out = triton_paged_attention(q, cache, LAYER, meta, 64 ** -0.5)
+    out = triton_on_kernel_device(q, cache, meta, 64 ** -0.5)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max().item() < 1e-4  # every key from the cache: the rounded reference
     _close_to_float(out, expected, dtype)

@@ -10,7 +10,13 @@ import torch
 from engine.config import CacheConfig
 from engine.layers.attention import paged_attention
 from engine.layers.kv_quant import FP8_DTYPES, dequantize, quantize, resolve_kv_dtype
-from tests.unit.test_triton_attention import LAYER, MIXED_BATCH, _make_step, rows_reading_the_cache
+from tests.unit.test_triton_attention import (
+    LAYER,
+    MIXED_BATCH,
+    _make_step,
+    rows_reading_the_cache,
+    triton_on_kernel_device,
+)
 
 FP8 = list(FP8_DTYPES.values())
 # fp8 attention against float32 on unit-normal K/V: a value keeps 3 (e4m3) or 2
@@ -85,10 +91,9 @@ def test_torch_path_and_cpu_kernel_read_fp8(dtype: torch.dtype, block_size: int)
 @pytest.mark.parametrize("dtype", FP8)
 def test_triton_reads_fp8(dtype: torch.dtype) -> None:
     pytest.importorskip("triton")
-    from engine.layers.triton_attention import triton_paged_attention
 
     q, _, _, cache8, meta, ref, expected = quantized_step(dtype, MIXED_BATCH, 16, 12)
-    out = triton_paged_attention(q, cache8, LAYER, meta, 64 ** -0.5)
+    out = triton_on_kernel_device(q, cache8, meta, 64 ** -0.5)
     # Triton reads every key from the cache, a fresh prefill's too: the rounded reference everywhere.
     assert (out - ref).abs().max().item() < 1e-4
     _close_to_float(out, expected, dtype)

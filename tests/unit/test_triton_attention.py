@@ -119,6 +119,17 @@ def _make_step(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
     return torch.cat(qs), k_new, v_new, kv_cache, meta, torch.cat(expected)
 
 
+def triton_on_kernel_device(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float, window: int | None = None) -> torch.Tensor:
+    """The Triton kernel over a step built on the CPU, run where it compiles
+    (the GPU when there is one, else the interpreter); the answer on the CPU."""
+    on_device = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(KERNEL_DEVICE)
+                                             for f in dataclasses.fields(meta)
+                                             if isinstance(getattr(meta, f.name), torch.Tensor)})
+    return triton_paged_attention(q.to(KERNEL_DEVICE), kv_cache.to(KERNEL_DEVICE), LAYER,
+                                  on_device, scale, window).cpu()
+
+
 def _check(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
            num_kv_heads: int, head_dim: int, window: int | None = None) -> None:
     gen = torch.Generator().manual_seed(block_size * 1000 + num_q_heads * 10 + num_kv_heads)
@@ -128,11 +139,7 @@ def _check(seqs: list[tuple[int, int]], block_size: int, num_q_heads: int,
     torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, window=window)
     pure_torch_out = paged_attention(q, k_new, v_new, kv_cache, LAYER, meta, scale, use_kernel=False,
                                      window=window)
-    on_device = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(KERNEL_DEVICE)
-                                             for f in dataclasses.fields(meta)
-                                             if isinstance(getattr(meta, f.name), torch.Tensor)})
-    triton_out = triton_paged_attention(q.to(KERNEL_DEVICE), kv_cache.to(KERNEL_DEVICE), LAYER,
-                                        on_device, scale, window).cpu()
+    triton_out = triton_on_kernel_device(q, kv_cache, meta, scale, window)
     assert triton_out.shape == q.shape
     assert (torch_out - expected).abs().max().item() < 1e-3
     assert (pure_torch_out - expected).abs().max().item() < 1e-3
