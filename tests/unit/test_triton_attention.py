@@ -213,6 +213,24 @@ def test_cpu_decode_kernel_long_sequences(decode_kernel, block_size: int, head_d
         assert (out.float() - expected).abs().max().item() < tol, dtype
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_decode_kernel_shared_kv_heads_change_no_bit(decode_kernel, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                         head_dim: int) -> None:
+    """The query heads that share a KV head read its rows once, together (in
+    twos, threes or fours by head size): each head's output is bit for bit what
+    it is when every head has a KV head of its own (the cache's heads copied)."""
+    kernel = decode_kernel
+    seqs = [(1, 1), (1, 17), (1, 40), (1, 300)]
+    gen = torch.Generator().manual_seed(head_dim)
+    q, _, _, kv_cache, meta, _ = _make_step(seqs, 16, 9, 3, head_dim, gen)
+    q, kv_cache = q.to(dtype), kv_cache.to(dtype)
+    args = (meta.block_tables, meta.seq_lens, head_dim ** -0.5)
+    shared = kernel.paged_decode_attention(q, kv_cache, LAYER, *args)
+    own = kernel.paged_decode_attention(q, kv_cache.repeat_interleave(3, dim=4).contiguous(), LAYER, *args)
+    assert torch.equal(shared, own)
+
+
 @pytest.mark.parametrize("window", [1, 127, 128, 200, 600])
 def test_cpu_decode_kernel_sliding_window(decode_kernel, window: int) -> None:  # type: ignore[no-untyped-def]
     """Windows that start inside a 128-position span, on a span's edge, and

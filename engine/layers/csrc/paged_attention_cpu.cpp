@@ -111,6 +111,10 @@ inline const float* as_floats(const c10::BFloat16* row, float* buf, int64_t D) {
 // without it, c10's conversion, value by value.
 inline const float* as_floats(const c10::Half* row, float* buf, int64_t D) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(buf + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d))));
+#endif
 #if defined(__F16C__)
   const __m128i* bits = reinterpret_cast<const __m128i*>(row);
   for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(bits + d / 8)));
@@ -154,6 +158,77 @@ inline void add_weighted_rows(float* __restrict__ a, const float* __restrict__ p
   for (int c = 0; c < C; ++c) *reinterpret_cast<dvec_u*>(a + DW * c) = acc[c];
 }
 
+// 16 values of a cache row as floats, widened in the register (exact):
+// float32 as stored, bfloat16 by a shift, float16 by F16C (AVX-512 builds).
+// fp8, and every type elsewhere, has none: rows are widened into a buffer
+// first (as_floats).
+template <typename T>
+struct RowLoad : std::false_type {};
+#if defined(__AVX512F__)
+template <>
+struct RowLoad<float> : std::true_type {
+  static f32x16 at(const float* r) { return *reinterpret_cast<const f32x16_u*>(r); }
+};
+template <>
+struct RowLoad<c10::BFloat16> : std::true_type {
+  static f32x16 at(const c10::BFloat16* r) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    return reinterpret_cast<f32x16>(_mm512_slli_epi32(w, 16));
+  }
+};
+template <>
+struct RowLoad<c10::Half> : std::true_type {
+  static f32x16 at(const c10::Half* r) {
+    return reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r))));
+  }
+};
+
+// add_weighted_rows for NH query heads that share a KV head (accumulators
+// a + g * D, weights p + g * p_stride): each value row is read and widened
+// once for all of them.  Per head the same additions in the same order as
+// add_weighted_rows, so the same bits.
+template <int D, int NH, typename T>
+inline void add_weighted_rows_nh(float* __restrict__ a, const float* __restrict__ p, int64_t p_stride,
+                                 const T* __restrict__ rows, int64_t stride, int64_t n) {
+  constexpr int C = D / 16;
+  f32x16 acc[NH][C];
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = *reinterpret_cast<const f32x16_u*>(a + g * D + 16 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    f32x16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = RowLoad<T>::at(rows + i * stride + 16 * c);
+    for (int g = 0; g < NH; ++g) {
+      const float pi = p[g * p_stride + i];
+      for (int c = 0; c < C; ++c) acc[g][c] += pi * v[c];
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < C; ++c) *reinterpret_cast<f32x16_u*>(a + g * D + 16 * c) = acc[g][c];
+}
+
+// Up to this many heads at a time: their accumulators and a row in 20-24 of
+// the 32 registers.
+template <int D>
+constexpr int64_t kRowHeads = D <= 64 ? 4 : 2;
+
+// add_weighted_rows_nh for nh (1 .. kRowHeads<D>) heads.
+template <int D, typename T>
+inline void add_weighted_rows_heads(float* __restrict__ a, const float* __restrict__ p, int64_t p_stride,
+                                    const T* __restrict__ rows, int64_t stride, int64_t n, int64_t nh) {
+  if constexpr (kRowHeads<D> == 4) {
+    switch (nh) {
+      case 1: return add_weighted_rows_nh<D, 1>(a, p, p_stride, rows, stride, n);
+      case 2: return add_weighted_rows_nh<D, 2>(a, p, p_stride, rows, stride, n);
+      case 3: return add_weighted_rows_nh<D, 3>(a, p, p_stride, rows, stride, n);
+      default: return add_weighted_rows_nh<D, 4>(a, p, p_stride, rows, stride, n);
+    }
+  } else {
+    if (nh == 1) return add_weighted_rows_nh<D, 1>(a, p, p_stride, rows, stride, n);
+    return add_weighted_rows_nh<D, 2>(a, p, p_stride, rows, stride, n);
+  }
+}
+#endif
+
 // out[i] = the sum of the 16 lanes of v[i], i < 16: a tree of two-vector
 // shuffles and adds (15 adds for 16 sums, against 4 a sum one vector at a
 // time), the same tree GCC's vectorized sum of one vector takes, so the same
@@ -175,8 +250,8 @@ inline f32x16 lane_sums(const f32x16 (&v)[16]) {
 }
 
 // s[i] = q . rows[i * stride : + D] for i < n, 16 positions at a time.
-template <int D>
-inline void dot_rows(const float* __restrict__ q, const float* __restrict__ rows, int64_t stride, int64_t n,
+template <int D, typename T>
+inline void dot_rows(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
                      float* __restrict__ s) {
   constexpr int C = D / 16;
   f32x16 qv[C];
@@ -187,8 +262,8 @@ inline void dot_rows(const float* __restrict__ q, const float* __restrict__ rows
     for (int j = 0; j < 16; ++j) {
       f32x16 acc = {};
       if (j < m) {
-        const float* r = rows + (i0 + j) * stride;
-        for (int c = 0; c < C; ++c) acc += qv[c] * *reinterpret_cast<const f32x16_u*>(r + 16 * c);
+        const T* r = rows + (i0 + j) * stride;
+        for (int c = 0; c < C; ++c) acc += qv[c] * RowLoad<T>::at(r + 16 * c);
       }
       part[j] = acc;
     }
@@ -229,20 +304,32 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     // The block's rows of a KV head as floats (and their stride): float32 rows
     // where they are, others widened into kv_f first, all heads at once.
     auto widen = [&](const scalar_t* rows) {
-      if constexpr (!std::is_same_v<scalar_t, float>)
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t hk = 0; hk < Hkv; ++hk) as_floats(rows + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        if (s_head == D && s_tok == Hkv * D)  // the block's rows are one run: widened in one pass
+          as_floats(rows, kv_f, n * Hkv * D);
+        else
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t hk = 0; hk < Hkv; ++hk)
+              as_floats(rows + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+      }
     };
     auto head_rows = [&](const scalar_t* rows, int64_t hk) -> std::pair<const float*, int64_t> {
       if constexpr (std::is_same_v<scalar_t, float>) return {rows + hk * s_head, s_tok};
       else return {kv_f + hk * D, Hkv * D};
     };
     if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
-      widen(kb);
-      for (int64_t h = 0; h < Hq; ++h) {
-        if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
-        const auto [krows, kstride] = head_rows(kb, h / G);
-        dot_rows<D_>(qf + h * D, krows, kstride, n, scores + h * bs);
+      if constexpr (RowLoad<scalar_t>::value) {  // rows widened in registers as they are read
+        for (int64_t h = 0; h < Hq; ++h) {
+          if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
+          dot_rows<D_>(qf + h * D, kb + (h / G) * s_head, s_tok, n, scores + h * bs);
+        }
+      } else {
+        widen(kb);
+        for (int64_t h = 0; h < Hq; ++h) {
+          if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
+          const auto [krows, kstride] = head_rows(kb, h / G);
+          dot_rows<D_>(qf + h * D, krows, kstride, n, scores + h * bs);
+        }
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
@@ -283,12 +370,31 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       // (added to in memory, position by position, it was a store and a load
       // per 16 values and position: the kernel's largest cost); the same
       // additions in the same order, so the same bits.
-      widen(vb);
-      for (int64_t h = 0; h < Hq; ++h) {
-        if (next != nullptr)
-          prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, h, Hq);
-        const auto [vrows, vstride] = head_rows(vb, h / G);
-        add_weighted_rows<D_>(out.acc + h * D, scores + h * bs, vrows, vstride, n);
+      bool grouped = false;
+#if defined(__AVX512F__)
+      if constexpr (D_ % 16 == 0 && RowLoad<scalar_t>::value) {
+        // The heads of a KV head together, its rows widened in registers.
+        constexpr int64_t HM = kRowHeads<D_>;
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          if (next != nullptr)
+            prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, hk, Hkv);
+          for (int64_t g0 = 0; g0 < G; g0 += HM) {
+            const int64_t h = hk * G + g0;
+            add_weighted_rows_heads<D_>(out.acc + h * D, scores + h * bs, bs, vb + hk * s_head, s_tok, n,
+                                        std::min(HM, G - g0));
+          }
+        }
+        grouped = true;
+      }
+#endif
+      if (!grouped) {
+        widen(vb);
+        for (int64_t h = 0; h < Hq; ++h) {
+          if (next != nullptr)
+            prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, h, Hq);
+          const auto [vrows, vstride] = head_rows(vb, h / G);
+          add_weighted_rows<D_>(out.acc + h * D, scores + h * bs, vrows, vstride, n);
+        }
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
@@ -339,7 +445,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
     first[b + 1] = first[b] + (L + PART_TOKENS - 1) / PART_TOKENS - span_lo[b];
   }
   const int64_t T = first[B];
-  std::vector<float> part_m(T * Hq), part_l(T * Hq), part_acc(T * Hq * D);
+  // Every task writes its whole partial (span() starts it): not zeroed here.
+  std::unique_ptr<float[]> part_m(new float[T * Hq]), part_l(new float[T * Hq]), part_acc(new float[T * Hq * D]);
   std::vector<int64_t> task_seq(T);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
@@ -359,13 +466,24 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       Partial p{&part_m[task * Hq], &part_l[task * Hq], &part_acc[task * Hq * D]};
       span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
+      if (first[b + 1] - first[b] == 1)  // one span: normalised here, as the merge below would
+        for (int64_t h = 0; h < Hq; ++h) {
+          const float inv = 1.f / p.l[h];
+          const float* a = p.acc + h * D;
+          for (int64_t d = 0; d < D; ++d) op[(b * Hq + h) * D + d] = static_cast<scalar_t>(a[d] * inv);
+        }
     }
   });
 
-  // Merge each sequence's spans (in span order) and normalise.
-  parallel_claim(B, 16, [&](int64_t begin, int64_t end) {
+  // Merge the spans of each longer sequence (in span order) and normalise.
+  std::vector<int64_t> longer;
+  for (int64_t b = 0; b < B; ++b)
+    if (first[b + 1] - first[b] > 1) longer.push_back(b);
+  if (longer.empty()) return;
+  parallel_claim(static_cast<int64_t>(longer.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t b = longer[j];
       for (int64_t h = 0; h < Hq; ++h) {
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = first[b]; i < first[b + 1]; ++i) m = std::max(m, part_m[i * Hq + h]);
