@@ -116,13 +116,16 @@ def test_every_instruction_set_and_vnni_compute_the_same_bits(kernel, restore_is
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Few rows read the blocks as they go, more rows decode them once first:
+    either way a row's bits are the same (4-bit layers and the 8-bit head)."""
     gen = torch.Generator().manual_seed(7)
-    w = q4_weight(96, 128, gen)
-    blocks = q4_blocks(w, kernel)
+    blocks = q4_blocks(q4_weight(96, 128, gen), kernel)
+    head = q8_blocks(q8_weight(96, 128, gen), kernel)
     x = torch.randn(200, 128, generator=gen)
-    whole = kernel.q4i8_linear(x, blocks, 96)
-    for lo, hi in ((0, 1), (5, 9), (17, 40), (3, 200), (199, 200)):
-        assert torch.equal(kernel.q4i8_linear(x[lo:hi], blocks, 96), whole[lo:hi])
+    for f, w in ((kernel.q4i8_linear, blocks), (kernel.q8i8_linear, head)):
+        whole = f(x, w, 96)
+        for lo, hi in ((0, 1), (5, 9), (17, 40), (3, 200), (199, 200), (0, 16), (0, 17), (0, 32)):
+            assert torch.equal(f(x[lo:hi], w, 96), whole[lo:hi]), (f, lo, hi)
 
 
 def test_zero_blocks_nan_and_inf(kernel) -> None:  # type: ignore[no-untyped-def]

@@ -941,22 +941,24 @@ inline __m512i q8_index() {
   return _mm512_load_si512(idx);
 }
 
-template <int R, int NP>
+// DEC: the panels were decoded first (q8_decode_panel_vnni: the bytes already
+// reordered and made unsigned), so a chunk is used as loaded.
+template <bool DEC, int R, int NP>
 void q8i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
                const int32_t* xc, int64_t ldxs, float* tile) {
   const __m512i idx = q8_index(), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][NP];
   set_all(acc, _mm512_setzero_ps());
   for (int64_t kb = 0; kb < K / QB; ++kb) {
-    prefetch_ahead(p, pbytes, NP, kb, K / QB, Q8_BLOCK_BYTES);
+    if constexpr (!DEC) prefetch_ahead(p, pbytes, NP, kb, K / QB, Q8_BLOCK_BYTES);
     __m512i s[R][NP];
     set_all(s, _mm512_setzero_si512());
     for (int g = 0; g < QB / 4; ++g) {
       __m512i w[NP];
-      for (int n = 0; n < NP; ++n)
-        w[n] = _mm512_xor_si512(
-            _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(p + n * pbytes + kb * Q8_BLOCK_BYTES + NR * 4 + g * 64)),
-            flip);
+      for (int n = 0; n < NP; ++n) {
+        const __m512i chunk = _mm512_loadu_si512(p + n * pbytes + kb * Q8_BLOCK_BYTES + NR * 4 + g * 64);
+        w[n] = DEC ? chunk : _mm512_xor_si512(_mm512_permutexvar_epi8(idx, chunk), flip);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512i xb = x4(xq + r * ldx + kb * QB + g * 4);
         for (int n = 0; n < NP; ++n) s[r][n] = _mm512_dpbusd_epi32(s[r][n], w[n], xb);
@@ -975,23 +977,64 @@ void q8i8_tile(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, in
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, acc[r][n]);
 }
 
-template <int R, int NP>
+template <bool DEC, int R, int NP>
 void q8i8_tile_rows(const uint8_t* p, int64_t pbytes, int64_t K, const int8_t* xq, int64_t ldx, const float* dx,
                     const int32_t* xc, int64_t ldxs, int64_t rows, float* tile) {
   if constexpr (R > 1) {
-    if (rows < R) return q8i8_tile_rows<R - 1, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, rows, tile);
+    if (rows < R) return q8i8_tile_rows<DEC, R - 1, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, rows, tile);
   }
-  q8i8_tile<R, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, tile);
+  q8i8_tile<DEC, R, NP>(p, pbytes, K, xq, ldx, dx, xc, ldxs, tile);
+}
+
+// An 8-bit panel's blocks with every 64-byte chunk reordered and made
+// unsigned as q8i8_tile does it (d as stored): the same size and offsets.
+inline void q8_decode_panel_vnni(const uint8_t* p, int64_t K, uint8_t* out) {
+  const __m512i idx = q8_index(), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q8_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q8_BLOCK_BYTES, Q8_BLOCK_BYTES);
+    uint8_t* o = out + kb * Q8_BLOCK_BYTES;
+    std::memcpy(o, blk, NR * 4);
+    for (int g = 0; g < QB / 4; ++g)
+      _mm512_storeu_si512(o + NR * 4 + g * 64,
+                          _mm512_xor_si512(_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(blk + NR * 4 + g * 64)),
+                                           flip));
+  }
 }
 
 void q8i8_rows_vnni(const void* panels, int64_t pbytes, int64_t np, int64_t K, const int8_t* xq, int64_t ldx,
                     const float* dx, const int32_t* xc, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
                     int64_t cols, float* y, int64_t ldy) {
-  i8_few_rows(static_cast<const uint8_t*>(panels), pbytes, np, rows, bias, col0, cols, y, ldy,
-              [&](auto np_c, const uint8_t* pp, int64_t m, int64_t r, float* t) {
-                q8i8_tile_rows<MR_I8, decltype(np_c)::value>(pp, pbytes, K, xq + m * ldx, ldx, dx + m * ldxs,
-                                                             xc + m * ldxs, ldxs, r, t);
-              });
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  if (rows <= 4 * MR_I8) {  // reorder the bytes as they go
+    i8_few_rows(p, pbytes, np, rows, bias, col0, cols, y, ldy,
+                [&](auto np_c, const uint8_t* pp, int64_t m, int64_t r, float* t) {
+                  q8i8_tile_rows<false, MR_I8, decltype(np_c)::value>(pp, pbytes, K, xq + m * ldx, ldx,
+                                                                      dx + m * ldxs, xc + m * ldxs, ldxs, r, t);
+                });
+    return;
+  }
+  // More rows: NP_I8D panels reordered once into a buffer every row tile reads
+  // (the same integers, so the same bits): 1.15-1.2x at 32 rows (Zen 4).
+  alignas(64) float tile[MR_I8D * NR * NP_I8D];
+  thread_local std::vector<uint8_t> dec;
+  dec.resize(static_cast<size_t>(NP_I8D * pbytes));
+  const int64_t ft = (rows + MR_I8D - 1) / MR_I8D;
+  for (int64_t n = 0; n < np; n += NP_I8D) {
+    const int64_t pn = min64(NP_I8D, np - n);
+    for (int64_t j = 0; j < pn; ++j) q8_decode_panel_vnni(p + (n + j) * pbytes, K, dec.data() + j * pbytes);
+    for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
+      const auto [m, r] = row_tile(rows, t, ft);
+      const int8_t* x = xq + m * ldx;
+      if (pn == NP_I8D)
+        q8i8_tile_rows<true, MR_I8D, NP_I8D>(dec.data(), pbytes, K, x, ldx, dx + m * ldxs, xc + m * ldxs, ldxs, r,
+                                             tile);
+      else
+        q8i8_tile_rows<true, MR_I8D, 1>(dec.data(), pbytes, K, x, ldx, dx + m * ldxs, xc + m * ldxs, ldxs, r, tile);
+      for (int64_t j = 0; j < pn; ++j)
+        store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
+    }
+  }
 }
 #endif
 
