@@ -309,7 +309,8 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
                                   : nullptr;
     const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
     // Scores for every query head and position of the block.
-    // The block's rows of a KV head as floats (and their stride): float32 rows
+    // Where RowLoad cannot widen rows in registers (fp8; AVX2 builds), the
+    // block's rows of a KV head as floats (and their stride): float32 rows
     // where they are, others widened into kv_f first, all heads at once.
     auto widen = [&](const scalar_t* rows) {
       if constexpr (!std::is_same_v<scalar_t, float>) {
