@@ -785,7 +785,7 @@ void q8i8_rows_avx2(const void* panels, int64_t pbytes, int64_t np, int64_t K, c
 // int32 sums.  A 64-byte chunk of nibbles is two such vectors: its low
 // nibbles and its high ones (linear_isa_api.h).  Few rows split the nibbles
 // as they go; more rows split NP_I8D panels once per call into a buffer
-// every row tile reads.
+// every row tile reads (the 8-bit head alike: its bytes reordered).
 constexpr int MR_I8 = 4, NP_I8 = 4;    // few rows: 4 x 4 int32 sums, 16 float32 outputs
 constexpr int MR_I8D = 6, NP_I8D = 2;  // decoded panels: 6 x 2 (+ 12 outputs)
 
