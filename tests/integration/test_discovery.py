@@ -36,8 +36,15 @@ def test_registration_keys(redis_server: RedisServer) -> None:
                                                          "prefill": {"10.0.0.2:5000"}}
         assert dying._task is not None
         dying._task.cancel()  # dies without deregistering: its key expires after 3 intervals
-        await asyncio.sleep(0.5)
-        assert await read_registrations(client, "m") == {"decode": {"10.0.0.1:5000"}, "prefill": set()}
+        await asyncio.wait({dying._task}, timeout=5)
+        assert dying._task.done()  # nothing refreshes its key any more
+        # Its last refresh may have reached Redis as it died: wait out the TTL (0.3 s) it set.
+        alive_only = {"decode": {"10.0.0.1:5000"}, "prefill": set()}
+        for _ in range(100):
+            if await read_registrations(client, "m") == alive_only:
+                break
+            await asyncio.sleep(0.05)
+        assert await read_registrations(client, "m") == alive_only
         assert await client.smembers("splitserve:{m}:reg:prefill") == set()  # the expired id is swept
         await live.stop()  # deregisters at once
         assert await read_registrations(client, "m") == {"decode": set(), "prefill": set()}
