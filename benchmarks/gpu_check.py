@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline import bench_hf, make_prompts
+from benchmarks.offline import bench_hf, load_hf, make_prompts
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention shape
 DEVICE = "cuda"  # --device cpu: a smoke run of the engine parts, without the kernel
@@ -206,8 +206,8 @@ def speed_report(model: Path, vocab: int, hf_too: bool, profile: bool) -> dict[s
     del llm
     empty_cache()
     if hf_too:
-        hf = bench_hf(model, torch.bfloat16, make_prompts(64, 64, 512, vocab, seed=64), 128,
-                      batch_size=16, pad_id=0, device=DEVICE)
+        hf = bench_hf(load_hf(model, torch.bfloat16, DEVICE), make_prompts(64, 64, 512, vocab, seed=64),
+                      output_len=128, batch_size=16, pad_id=0, device=DEVICE)
         report["hf_static_batch16_64x128"] = hf
         print(f"speed hf {hf}", flush=True)
     return report

@@ -3,6 +3,12 @@ static batching, on the same prompts and weights, in one run.
 
     splitserve bench offline            # 64 prompts of 64-512 tokens x 128 new tokens, bf16
     splitserve bench offline --hf-dtypes float32,bfloat16   # HF in each; the ratio is to its fastest
+    splitserve bench offline --rounds 2   # each system twice, the order reversed in the second round
+
+With more than one round, a system's figure is its rounds' tokens over their
+seconds, and each round runs the systems in the order the last one ended
+(ABBA...): a host whose speed drifts through the run weighs on every system
+alike, where one round would charge the drift to whichever ran last.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 
@@ -32,13 +40,18 @@ def bench_splitserve(llm: Any, prompts: list[list[int]], output_len: int) -> dic
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
 
 
-def bench_hf(model_dir: Any, dtype: Any, prompts: list[list[int]], output_len: int,
-             batch_size: int, pad_id: int, device: str = "cpu") -> dict[str, float]:
+def load_hf(model_dir: Any, dtype: Any, device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers mistypes .to
+    return model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers mistypes .to
+
+
+def bench_hf(model: Any, prompts: list[list[int]], *, output_len: int, batch_size: int, pad_id: int,
+             device: str = "cpu") -> dict[str, float]:
+    import torch
+
     n = 0
     t = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
@@ -52,6 +65,28 @@ def bench_hf(model_dir: Any, dtype: Any, prompts: list[list[int]], output_len: i
         n += (out.shape[1] - width) * len(batch)
     dt = time.perf_counter() - t
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
+
+
+def run_rounds(systems: dict[str, Callable[[list[list[int]]], dict[str, Any]]],
+               prompts: Callable[[int], list[list[int]]], rounds: int) -> dict[str, dict[str, Any]]:
+    """Each system `rounds` times, every other round in reverse order, round i
+    on prompts(i) (new prompts each round: none is in a prefix cache) -> name ->
+    its rounds' seconds and tokens summed, tok/s over the sum, and each round's tok/s."""
+    rows: dict[str, dict[str, Any]] = {name: {"seconds": 0.0, "output_tokens": 0, "rounds": []}
+                                       for name in systems}
+    names = list(systems)
+    for i in range(rounds):
+        batch = prompts(i)
+        for name in names if i % 2 == 0 else names[::-1]:
+            got = systems[name](batch)
+            print(f"{name}, round {i + 1}: {got}", flush=True)
+            row = rows[name]
+            row["seconds"] += got["seconds"]
+            row["output_tokens"] += got["output_tokens"]
+            row["rounds"].append(got["output_tok_s"])
+    for row in rows.values():
+        row["output_tok_s"] = row["output_tokens"] / row["seconds"]
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dtypes", default="",
                    help="comma-separated dtypes to run Hugging Face generate in, each in turn "
                         "(e.g. float32,bfloat16: its best on a CPU with native bf16); default: the engine's")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times each system runs, the order reversed each round (ABBA); a system's "
+                        "figure is its rounds' tokens over their seconds")
     p.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     with_defaults(p)
@@ -82,26 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     from services.cli import engine_kwargs
 
     args = build_parser().parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: must be >= 1, got {args.rounds}")
 
     kw = engine_kwargs(args)
     if kw["num_threads"] is None:
         kw["num_threads"] = torch.get_num_threads()
     torch.set_num_threads(kw["num_threads"])
     llm = LLM(**kw)
-    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
-                           llm.engine.vocab_size)
-    rows: dict[str, dict[str, float]] = {}
+    prompts = partial(make_prompts, args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                      llm.engine.vocab_size)
     dtype = llm.engine.runner.dtype
-    rows["splitserve"] = bench_splitserve(llm, prompts, args.output_len)
-    print(f"splitserve: {rows['splitserve']}", flush=True)
+    systems: dict[str, Callable[[list[list[int]]], dict[str, float]]] = {
+        "splitserve": lambda batch: bench_splitserve(llm, batch, args.output_len)}
     if not args.skip_hf:
         model_dir = llm.engine.runner.model_dir
-        del llm
-        hf_dtypes = [getattr(torch, d) for d in args.hf_dtypes.split(",") if d] or [dtype]
-        for hf_dtype in hf_dtypes:
-            name = str(hf_dtype).removeprefix("torch.")
-            rows[f"hf-generate (static batch {args.hf_batch_size}, {name})"] = bench_hf(
-                model_dir, hf_dtype, prompts, args.output_len, args.hf_batch_size, pad_id=0)
+        for hf_dtype in [getattr(torch, d) for d in args.hf_dtypes.split(",") if d] or [dtype]:
+            model = load_hf(model_dir, hf_dtype)
+            name = f"hf-generate (static batch {args.hf_batch_size}, {str(hf_dtype).removeprefix('torch.')})"
+            systems[name] = partial(bench_hf, model, output_len=args.output_len,
+                                    batch_size=args.hf_batch_size, pad_id=0)
+    rows = run_rounds(systems, lambda i: prompts(seed=i), args.rounds)
     hf = [r["output_tok_s"] for name, r in rows.items() if name != "splitserve"]
     base = max(hf) if hf else rows["splitserve"]["output_tok_s"]  # Hugging Face at its fastest
     print(f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens x "
@@ -111,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"{name:<44} {r['seconds']:>9.1f} {r['output_tok_s']:>10.1f} "
               f"{r['output_tok_s'] / base:>6.2f}x")
+    if args.rounds > 1:
+        print("per round, out tok/s: " + "; ".join(
+            f"{name} {', '.join(f'{x:.1f}' for x in r['rounds'])}" for name, r in rows.items()))
     if args.json:
         print(json.dumps({"bench": "offline", **{k: v for k, v in rows.items()}}))
     return 0

