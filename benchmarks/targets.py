@@ -204,15 +204,18 @@ class Runner:
 
     def bench_paired(self, servers: list[Server], workload: str) -> dict[str, dict[str, Any]]:
         """The workload's requests one at a time, each sent to every server in
-        turn (the order alternating request by request), so that a drifting
-        host speed (20% and more over minutes on a shared machine) weighs on
-        every server alike: request i is the workload's request with seed i
-        (counted on from the last pairing's), the same prompt for all.
+        turn, so that a drifting host speed (20% and more over minutes on a
+        shared machine) weighs on every server alike: request i is the
+        workload's request with seed i (counted on from the last pairing's),
+        the same prompt for all.  No server serves two requests in a row: one
+        right after its own ran 15-30% faster than one after another server's
+        (its weights still in cache; session 29), so each round's order is
+        the last one's rotated by one (A B C, B C A, ...; two servers: A B, A B).
         -> label -> the summary of its requests."""
         flags = self.flags(workload)
         given = [v for f, v in zip(flags, flags[1:], strict=False) if f == "--num-prompts"]
         n = int(given[-1])  # the last one counts (--quick adds its own)
-        return self._pooled(servers, workload, n, ("--num-prompts", "1"))
+        return self._pooled(servers, workload, n, ("--num-prompts", "1"), rotate=True)
 
     def bench_abba(self, servers: list[Server], workload: str, rounds: int = 2) -> dict[str, dict[str, Any]]:
         """The whole workload `rounds` times on each server, each round on new
@@ -224,19 +227,25 @@ class Runner:
         -> label -> the summary over its rounds' requests."""
         return self._pooled(servers, workload, rounds if len(servers) > 1 else 1, ())
 
-    def _pooled(self, servers: list[Server], workload: str, rounds: int,
-                extra: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    def _pooled(self, servers: list[Server], workload: str, rounds: int, extra: tuple[str, ...],
+                rotate: bool = False) -> dict[str, dict[str, Any]]:
         """Round i: the workload with `extra` and a seed of its own on each
         server (the same for all; none an earlier pairing used), every other
-        round in reverse order -> label -> the summary of all its rounds'
-        requests over their summed durations."""
+        round in reverse order, or with `rotate` each round's order rotated by
+        one from the last's (the same order each round for two servers) ->
+        label -> the summary of all its rounds' requests over their summed durations."""
         from benchmarks.serve_stats import summarize_groups
 
         first = self.fresh_seed.get(workload, 0)
         self.fresh_seed[workload] = first + rounds
         got: dict[str, tuple[list[Any], float]] = {s.label: ([], 0.0) for s in servers}
         for i in range(rounds):
-            for server in servers if i % 2 == 0 else servers[::-1]:
+            if rotate:
+                shift = i % len(servers) if len(servers) > 2 else 0
+                order = servers[shift:] + servers[:shift]
+            else:
+                order = servers if i % 2 == 0 else servers[::-1]
+            for server in order:
                 summary, results = self.bench(server, workload, (*extra, "--seed", str(first + i)))
                 done, seconds = got[server.label]
                 got[server.label] = (done + results, seconds + summary["duration_s"])
