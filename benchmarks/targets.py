@@ -222,8 +222,8 @@ class Runner:
         prompts (a seed of its own: none in a prefix cache), every
         other round in reverse order (A B, B A): a host whose speed drifts over
         the minutes weighs on every server alike, where one run each would
-        charge the drift to whichever ran later.  For a workload with
-        concurrency, which request-by-request pairing would change.
+        charge the drift to whichever ran later.  (A workload with concurrency
+        keeps it: pairing it request by request would change the workload.)
         -> label -> the summary over its rounds' requests."""
         return self._pooled(servers, workload, rounds if len(servers) > 1 else 1, ())
 
@@ -546,7 +546,7 @@ def main() -> int:
         c_label, c, v = best_against_vllm("mixed")
         d, dv = tput(disagg_label, "mixed"), peer_tput(disagg_label, vllm_label, "mixed")
         assert d is not None
-        line = f"1. mixed (each stack and vLLM A B B A): colocated {c:.1f} tok/s ({c_label})"
+        line = f"1. mixed{' (each stack and vLLM A B B A)' if v else ''}: colocated {c:.1f} tok/s ({c_label})"
         line += (f" = {c / v:.2f}x {vllm_label} beside it ({v:.1f}) (target 1.5x): {verdict(c >= 1.5 * v)}"
                  if v else "")
         line += f"; disaggregated {d:.1f} tok/s"
