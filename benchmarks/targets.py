@@ -412,7 +412,8 @@ def main() -> int:
                         "bfloat16 projections; prefill is then held to the bfloat16 peak)")
     p.add_argument("--decode-dtype", default="auto",
                    help="splitserve's decode dtype (int8: a float32 model's generated tokens through "
-                        "its 4-bit layers with int8 inputs; batched decode is then held to the int8 peak)")
+                        "its 4-bit layers with int8 inputs, batched decode then held to the int8 peak; "
+                        "bfloat16: with bfloat16 inputs, held to the bfloat16 peak)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     p.add_argument("--out", default=None, help="directory for logs and runs.jsonl")
     args = p.parse_args()
@@ -487,14 +488,14 @@ def main() -> int:
         for dtype in ("float32", "bfloat16") if native else ("float32",):
             if not only & {1, 2, 3, 4}:
                 break
-            # --decode-dtype int8 is a float32 model's option: the bfloat16 stack keeps its decodes
+            # --decode-dtype int8/bfloat16: a float32 model's option; the bfloat16 stack keeps its decodes
             decodes = args.decode_dtype if dtype == "float32" else "auto"
             with splitserve_up(0, 1, out / f"up-coloc-{dtype}.log", dtype, args.kv_cache_dtype,
                                args.prefill_dtype, decodes) as coloc:
                 ours[coloc.label] = served_dtype(dtype)
                 prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
                                            else ours[coloc.label])
-                decodes_in[coloc.label] = "int8" if decodes == "int8" else ours[coloc.label]
+                decodes_in[coloc.label] = decodes if decodes in ("int8", "bfloat16") else ours[coloc.label]
                 for t, w in ((1, "mixed"), (2, "single"), (3, "decode32"), (3, "batch32")):
                     if t == 1 and 1 in only:
                         against(coloc, with_vllm, w)

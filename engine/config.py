@@ -12,7 +12,7 @@ Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 PREFILL_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
-DECODE_DTYPES = ("auto", "int8")  # auto: the model's dtype (engine/layers/packed_linear.py)
+DECODE_DTYPES = ("auto", "int8", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -30,7 +30,8 @@ class ModelConfig:
     # (AVX512-BF16), every other token exact; auto: every token in `dtype`.
     prefill_dtype: str = "auto"
     # int8: a float32 model's generated tokens (decodes, drafts) through its 4-bit
-    # layers and 8-bit head with x quantized to int8 per block of 32 inputs; auto: in `dtype`.
+    # layers and 8-bit head with x quantized to int8 per block of 32 inputs; bfloat16: through
+    # its 4-bit layers with x rounded to bfloat16 (AVX512-BF16 and VBMI); auto: in `dtype`.
     decode_dtype: str = "auto"
 
     def __post_init__(self) -> None:

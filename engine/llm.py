@@ -47,9 +47,11 @@ class LLM:
         prefill_dtype: auto (every token in the model's dtype) or bfloat16 (a float32 model on a CPU
             with AVX512-BF16: prompt tokens through bfloat16 projections, twice as fast; generated
             tokens stay exact).
-        decode_dtype: auto (generated tokens in the model's dtype) or int8 (a float32 model's
+        decode_dtype: auto (generated tokens in the model's dtype), int8 (a float32 model's
             4-bit layers and 8-bit head: generated tokens' inputs quantized to int8 per block of
-            32, integer dot products, AVX512-VNNI where present; prompt tokens keep their path)."""
+            32, integer dot products, AVX512-VNNI where present) or bfloat16 (a float32 model's
+            4-bit layers: generated tokens' inputs rounded to bfloat16, the weights exact; CPUs
+            with AVX512-BF16 and VBMI); prompt tokens keep their path."""
         config = engine_config(
             model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -211,15 +211,16 @@ class ModelRunner:
         self.kv_cache = lazy_zeros((self.num_blocks, s.num_layers, 2, self.block_size, s.num_kv_heads,
                                     s.head_dim), self.kv_dtype, self.device)
         self.attn = self._attention_backend(model_config.attention_backend)
-        # prefill_dtype=bfloat16 or decode_dtype=int8: the prompt rows of each step, set
+        # prefill_dtype=bfloat16 or decode_dtype=int8/bfloat16: the prompt rows of each step, set
         # around its forward.
         self.prompt_rows: PromptRows | None = None
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
         self.head_rows: PromptRows | None = None  # decode_dtype=int8: the head's rows by path
-        if model_config.decode_dtype == "int8":
-            self.prompt_rows = self._int8_decodes()
+        self.bf16_decodes = model_config.decode_dtype == "bfloat16"
+        if model_config.decode_dtype in ("int8", "bfloat16"):
+            self.prompt_rows = self._quantized_decodes(model_config.decode_dtype)
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
@@ -242,23 +243,32 @@ class ModelRunner:
 
     @property
     def decode_dtype(self) -> str:
-        """What generated tokens compute in, if not the model's dtype: "int8" or ""."""
-        return "int8" if self.head_rows is not None else ""
+        """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16" or ""."""
+        return "int8" if self.head_rows is not None else "bfloat16" if self.bf16_decodes else ""
 
-    def _int8_decodes(self) -> PromptRows:
+    def _quantized_decodes(self, dtype: str) -> PromptRows:
+        """decode_dtype int8 or bfloat16: a float32 model's 4-bit layers run
+        generated tokens on that kernel; the returned rows are set per step."""
         kernel = load_linear_kernel() if self.device.type == "cpu" else None
-        if self.dtype != torch.float32 or kernel is None:
-            raise ValueError("decode_dtype: int8 needs a float32 model on a CPU "
+        bf16 = dtype == "bfloat16"
+        if self.dtype != torch.float32 or kernel is None or (bf16 and not kernel.q4bf16_supported()):
+            where = "a CPU with AVX512-BF16 and AVX512-VBMI" if bf16 else "a CPU"
+            kernels = "unavailable" if kernel is None else "built"
+            raise ValueError(f"decode_dtype: {dtype} needs a float32 model on {where} "
                              f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
-                             f"{self.device.type}, CPU kernels {'built' if kernel else 'unavailable'})")
+                             f"{self.device.type}, CPU kernels {kernels})")
         layer = self.model.layers[0].qkv_proj
         if not isinstance(layer, PackedLinear) or layer.q4 is None:
-            raise ValueError("decode_dtype: int8 needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or GPTQ) "
-                             "on the packed CPU projections")
+            raise ValueError(f"decode_dtype: {dtype} needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or "
+                             "GPTQ) on the packed CPU projections")
+        rows = PromptRows()
+        if bf16:
+            self.model.enable_bf16_decodes(rows)
+            return rows
         if not kernel.i8_vnni_supported():
             log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
                      "(the same results)", kernel.isa())
-        rows, self.head_rows = PromptRows(), PromptRows()
+        self.head_rows = PromptRows()
         self.model.enable_int8_decodes(rows, self.head_rows)
         return rows
 

@@ -285,6 +285,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer, PackedLinear):
                 layer.enable_int8(head_rows if path == "lm_head" else rows)
 
+    def enable_bf16_decodes(self, rows: PromptRows) -> None:
+        """decode_dtype=bfloat16: every layer's 4-bit projections run the rows
+        `rows` does not mark as prompt tokens on bfloat16 inputs (the head
+        keeps its exact path)."""
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if path != "lm_head" and isinstance(layer, PackedLinear):
+                layer.enable_bf16_decodes(rows)
+
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():

@@ -15,6 +15,7 @@ from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
 from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
 from tests.unit.test_linear_isa import q4_weight, q8_weight
+from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
 
@@ -147,23 +148,26 @@ def test_zero_blocks_nan_and_inf(kernel) -> None:  # type: ignore[no-untyped-def
     assert torch.isnan(y8[1]).all() and not torch.isfinite(y8[2]).any() and torch.isfinite(y8[0]).all()
 
 
-def test_out_writes_only_its_rows_and_bad_input_is_refused(kernel) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("name", ["q4i8_linear", pytest.param("q4bf16_linear", marks=needs_q4bf16)])
+def test_out_writes_only_its_rows_and_bad_input_is_refused(kernel, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The int8 kernel and decode_dtype=bfloat16's (tests/unit/test_linear_q4bf16.py)."""
+    f = getattr(kernel, name)
     gen = torch.Generator().manual_seed(11)
     w = q4_weight(40, 64, gen)
     blocks = q4_blocks(w, kernel)
     x = torch.randn(6, 64, generator=gen)
     y = torch.full((10, 40), 7.0)
-    kernel.q4i8_linear(x, blocks, 40, out=y[2:8])
-    assert torch.equal(y[2:8], kernel.q4i8_linear(x, blocks, 40))
+    f(x, blocks, 40, out=y[2:8])
+    assert torch.equal(y[2:8], f(x, blocks, 40))
     assert (y[:2] == 7).all() and (y[8:] == 7).all()
-    with pytest.raises(RuntimeError, match="q4i8_linear: x has 32 features, the weight 64"):
-        kernel.q4i8_linear(torch.randn(2, 32), blocks, 40)
-    with pytest.raises(RuntimeError, match="q4i8_linear: float32 activations only"):
-        kernel.q4i8_linear(x.double(), blocks, 40)
-    with pytest.raises(RuntimeError, match="q4i8_linear: blocks must be uint8"):
-        kernel.q4i8_linear(x, blocks.float(), 40)
-    with pytest.raises(RuntimeError, match="q4i8_linear: N does not match the panels"):
-        kernel.q4i8_linear(x, blocks, 80)
+    with pytest.raises(RuntimeError, match=f"{name}: x has 32 features, the weight 64"):
+        f(torch.randn(2, 32), blocks, 40)
+    with pytest.raises(RuntimeError, match=f"{name}: float32 activations only"):
+        f(x.double(), blocks, 40)
+    with pytest.raises(RuntimeError, match=f"{name}: blocks must be uint8"):
+        f(x, blocks.float(), 40)
+    with pytest.raises(RuntimeError, match=f"{name}: N does not match the panels"):
+        f(x, blocks, 80)
 
 
 def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: ignore[no-untyped-def]
@@ -208,5 +212,5 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
 
 
 def test_the_option_is_named_when_wrong() -> None:
-    with pytest.raises(ValueError, match="decode_dtype: must be one of auto, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="decode_dtype: must be one of auto, int8, bfloat16, got 'int4'"):
         ModelConfig(decode_dtype="int4")

@@ -429,6 +429,65 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
   return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
 }
 
+// ---- 4-bit blocks times bfloat16 rows (AVX512-BF16 + VBMI): generated tokens under decode_dtype=bfloat16 ----
+
+bool q4bf16_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return bf16_supported() && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+// s[i, b] = the sum of row i's block b of bfloat16 pairs as floats, in input
+// order (one order for every row count).
+__attribute__((optimize("no-fast-math"))) void bf16_block_sums(const uint32_t* x, int64_t rows, int64_t K, float* s) {
+  for (int64_t i = 0; i < rows * (K / QB); ++i) {
+    const uint32_t* v = x + i * (QB / 2);
+    float acc = 0.0f;
+    for (int64_t kp = 0; kp < QB / 2; ++kp) {
+      const uint32_t lo = v[kp] << 16, hi = v[kp] & 0xFFFF0000u;
+      float a, b;
+      std::memcpy(&a, &lo, 4);
+      std::memcpy(&b, &hi, 4);
+      acc = kp == 0 ? a + b : acc + a + b;
+    }
+    s[i] = acc;
+  }
+}
+
+at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(q4bf16_supported(), "q4bf16_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
+              "q4bf16_linear: blocks must be uint8 [P, K/32, 384]");
+  const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
+  const LinearCall call = linear_call("q4bf16_linear", x, P, K, N, bias, out);
+  const at::Tensor &x2 = call.x2, &y = call.y;
+  const int64_t M = call.M;
+  if (M == 0) return y.view(call.sizes);
+  auto pairs = at::empty({M, K / 2}, x2.options().dtype(at::kInt));
+  auto sums = at::empty({M, KB}, x2.options());
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
+  float* sp = sums.data_ptr<float>();
+  const float* xp = x2.data_ptr<float>();
+  parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * (K / 2); i < end * (K / 2); ++i)
+      pp[i] = round_bits(xp[2 * i]) | (uint32_t{round_bits(xp[2 * i + 1])} << 16);
+    bf16_block_sums(pp + begin * (K / 2), end - begin, K, sp + begin * KB);
+  });
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const int64_t pbytes = KB * Q4_BLOCK_BYTES;
+  const float* bp = call.bp();
+  float* yp = y.data_ptr<float>();
+  each_task(M, P, N, 4, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+    kQ4Bf16(wp + p * pbytes, pbytes, np, K, pp + m0 * (K / 2), K / 2, sp + m0 * KB, KB, rows, bp, p * NR, cols,
+            yp + m0 * N, N);
+  });
+  return y.view(call.sizes);
+}
+
 std::string isa_name() { return isa().name; }
 
 void set_isa(const std::string& name) {
@@ -666,6 +725,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, nogil(),
         "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
+  m.def("q4bf16_supported", &q4bf16_supported,
+        "whether this CPU runs q4bf16_linear (AVX512-BF16 and AVX512-VBMI)");
+  m.def("q4bf16_linear", &q4bf16_linear, nogil(),
+        "x @ W.T (+ bias) with W as exact 4-bit blocks and x rounded to bfloat16 (float32 sums)",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");

@@ -1133,9 +1133,103 @@ SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx
   }
 }
 
+#if defined(SPLITSERVE_ISA_BF16Q4)
+// decode_dtype=bfloat16 (linear_isa_api.h): 4-bit blocks times rows of x
+// rounded to bfloat16, with AVX512-BF16 dot products and AVX512-VBMI byte
+// shuffles.  A chunk's nibbles become four registers of bfloat16 pairs, one
+// per pair of inputs (8c, 8c + 1), ..., (8c + 6, 8c + 7): column j's 32-bit
+// lane holds (128 + q) of both inputs, the nibble as the mantissa of
+// 0x43XX (exact: q < 128), so no weight is rebuilt.  One vdpbf16ps per pair
+// adds x[k] (128 + q[k]) + x[k + 1] (128 + q[k + 1]) to each column's float32
+// sum s; the block folds d * s + (m - 128 d) * sum(x), and sum(x) is of the
+// rounded x, so the 128s cancel.  Pairs in k order, then the fold, for every
+// row count: a row's result never depends on its batch.
+constexpr int MR_BQ = 8;  // rows a tile: 16 sums and 16 accumulators with one panel
+inline __m512i nibble_pairs(__m512i nibbles, __m512i idx, __m512i hi) {
+  return _mm512_permutex2var_epi8(nibbles, idx, hi);
+}
+
+template <int R, int NP>
+void q4bf16_tile(const uint8_t* p, int64_t pbytes, int64_t K, const uint32_t* x, int64_t ldx, const float* sx,
+                 int64_t ldxs, float* tile) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(0x43);
+  // Column j's bytes 4j..4j+3 -> words (0x43, byte 4j + a), (0x43, byte 4j + b): from `nibbles` below 64, `hi` above.
+  alignas(64) uint8_t i01[64], i23[64];
+  for (int j = 0; j < 16; ++j)
+    for (int h = 0; h < 2; ++h) {
+      i01[4 * j + 2 * h] = static_cast<uint8_t>(4 * j + h);
+      i23[4 * j + 2 * h] = static_cast<uint8_t>(4 * j + 2 + h);
+      i01[4 * j + 2 * h + 1] = i23[4 * j + 2 * h + 1] = 64;
+    }
+  const __m512i idx01 = _mm512_load_si512(i01), idx23 = _mm512_load_si512(i23);
+  const __m512 minus128 = _mm512_set1_ps(-128.0f);
+  const int64_t KB = K / QB;
+  __m512 t[R][NP];
+  set_all(t, _mm512_setzero_ps());
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m512 s[R][NP];
+    set_all(s, _mm512_setzero_ps());
+    for (int n = 0; n < NP; ++n)
+      prefetch_block(p + n * pbytes + (kb + Q4_AHEAD) * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    for (int c = 0; c < QB / 8; ++c) {
+      const uint32_t* xc = x + kb * (QB / 2) + 4 * c;
+      for (int n = 0; n < NP; ++n) {
+        const __m512i raw =
+            _mm512_loadu_si512(p + n * pbytes + kb * Q4_BLOCK_BYTES + 2 * NR * 4 + c * 64);
+        const __m512i lo = _mm512_and_si512(raw, low4), up = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        const __m512i w[4] = {nibble_pairs(lo, idx01, hi), nibble_pairs(lo, idx23, hi), nibble_pairs(up, idx01, hi),
+                              nibble_pairs(up, idx23, hi)};
+        for (int h = 0; h < 4; ++h)
+          for (int r = 0; r < R; ++r) s[r][n] = dot_pair(s[r][n], w[h], xc + r * ldx + h);
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const float* dm = reinterpret_cast<const float*>(p + n * pbytes + kb * Q4_BLOCK_BYTES);
+      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_fmadd_ps(minus128, d, _mm512_loadu_ps(dm + NR));
+      for (int r = 0; r < R; ++r)
+        t[r][n] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * ldxs + kb]), m, _mm512_fmadd_ps(s[r][n], d, t[r][n]));
+    }
+  }
+  for (int n = 0; n < NP; ++n)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, t[r][n]);
+}
+
+// Up to 2 rows: 4 panels at once (a row's 16 pairs a block are one chain of
+// dependent dot products per panel); up to 4 rows: 2; more: one panel in
+// tiles of up to MR_BQ rows, as even as they divide.
+void q4bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const uint32_t* x, int64_t ldx,
+                 const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
+                 int64_t ldy) {
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  alignas(64) float tile[MR_BQ * NR * 4];
+  auto group = [&](auto np_c, auto rows_c, int64_t n, int64_t m, int64_t r) {
+    constexpr int G = decltype(np_c)::value, R = decltype(rows_c)::value;
+    q4bf16_tile<R, G>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, sx + m * ldxs, ldxs, tile);
+    for (int64_t j = 0; j < G; ++j)
+      store_tile(tile + j * R * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
+  };
+  int64_t n = 0;
+  if (rows <= 2) {
+    for (; n + 4 <= np; n += 4)
+      tile_of<2>(rows, [&](auto rc) { group(std::integral_constant<int, 4>{}, rc, n, 0, rows); });
+  } else if (rows <= 4) {
+    for (; n + 2 <= np; n += 2)
+      tile_of<4>(rows, [&](auto rc) { group(std::integral_constant<int, 2>{}, rc, n, 0, rows); });
+  }
+  const int64_t tiles = (rows + MR_BQ - 1) / MR_BQ;
+  for (; n < np; ++n)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const auto [m, r] = row_tile(rows, t, tiles);
+      tile_of<MR_BQ>(r, [&](auto rc) { group(std::integral_constant<int, 1>{}, rc, n, m, r); });
+    }
+}
+#endif
+
 }  // namespace
 
-#if defined(SPLITSERVE_ISA_BF16)
+#if defined(SPLITSERVE_ISA_BF16Q4)
+extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
+#elif defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
 #elif defined(SPLITSERVE_ISA_VNNI)
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;

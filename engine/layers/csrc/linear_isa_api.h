@@ -89,6 +89,16 @@ constexpr int64_t BF_TILE_ROWS = 12;
 extern const RowsTimesPanels kBf16Rows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
+// decode_dtype=bfloat16: 4-bit blocks (as q4) times rows of x rounded to
+// bfloat16, x as uint32 pairs (x[2 kp] low, x[2 kp + 1] high) rows ldx pairs
+// apart, sx each row's float32 sums of the rounded x per block of 32 inputs
+// (rows ldxs apart).  Each block adds d * sum(x q) + m * sum(x) with the sum
+// over x q of exact products in float32, pairs in k order; AVX512-BF16 with
+// AVX512-VBMI only (q4bf16_supported()).
+using Q4Bf16Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_t K, const uint32_t* x,
+                            int64_t ldx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
+                            int64_t cols, float* y, int64_t ldy);
+extern const Q4Bf16Rows kQ4Bf16;
 extern const Q4I8Rows kQ4I8Vnni;
 extern const Q8I8Rows kQ8I8Vnni;
 

@@ -1,0 +1,126 @@
+"""The 4-bit x bfloat16 kernel (decode_dtype=bfloat16): 4-bit blocks times x
+rounded to bfloat16, exact products summed in float32 (AVX512-BF16 with
+AVX512-VBMI), and the split of a step's rows between it and the prompt path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.cpu_features import has
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, row_runs
+from tests.unit.test_linear_isa import q4_weight
+
+Q4BF16_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"))
+needs_cpu = pytest.mark.skipif(not Q4BF16_CPU, reason="the CPU lacks AVX512-BF16 or AVX512-VBMI "
+                                                      "(q4bf16_linear refuses to run there)")
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    return k
+
+
+def test_support_follows_the_cpu_flags(kernel) -> None:  # type: ignore[no-untyped-def]
+    assert kernel.q4bf16_supported() == Q4BF16_CPU
+    if not Q4BF16_CPU:
+        blocks = q4_blocks(q4_weight(16, 64, torch.Generator().manual_seed(0)), kernel)
+        with pytest.raises(RuntimeError, match="q4bf16_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI"):
+            kernel.q4bf16_linear(torch.randn(1, 64), blocks, 16)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded to bfloat16 (to nearest even) times the exact weights, in float64."""
+    y = x.bfloat16().double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+# Rows around the kernel's tiles (2 and 4 rows: several panels at once; more:
+# tiles of up to 8) and the 192-row chunk; columns that are and are not whole
+# groups of 4 panels.
+@needs_cpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 33, 192, 193])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (96, 200), (576, 48)])
+def test_q4bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w = q4_weight(n, k_in, gen)
+    blocks = q4_blocks(w, kernel)
+    assert blocks is not None
+    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    y = kernel.q4bf16_linear(x, blocks, n, b)
+    ref = reference(x, w, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # float32 sums of exact products: far inside bfloat16's rounding of x
+    scale = (x.bfloat16().double().abs() @ w.double().abs().T).max().item()
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * scale
+    exact = kernel.q4_linear(x, blocks, n, b)
+    assert not torch.equal(y, exact)  # x was rounded: not the exact kernel's result
+    # x exact in bfloat16 already: the exact kernel's result to float32's precision
+    xb = x.bfloat16().float()
+    assert torch.allclose(kernel.q4bf16_linear(xb, blocks, n, b), kernel.q4_linear(xb, blocks, n, b),
+                          rtol=1e-5, atol=1e-5 * scale)
+
+
+@needs_cpu
+def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ignore[no-untyped-def]
+    """One row, a few (several panels at once) or many (tiles of rows): a
+    row's bits are the same."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = q4_blocks(q4_weight(200, 128, gen), kernel)
+    x = torch.randn(200, 128, generator=gen)
+    whole = kernel.q4bf16_linear(x, blocks, 200)
+    for lo, hi in ((0, 1), (1, 3), (5, 9), (17, 40), (3, 200), (199, 200), (0, 4), (0, 16), (0, 17), (0, 32)):
+        assert torch.equal(kernel.q4bf16_linear(x[lo:hi], blocks, 200), whole[lo:hi]), (lo, hi)
+
+
+@needs_cpu
+def test_nan_and_inf_reach_only_their_rows(kernel) -> None:  # type: ignore[no-untyped-def]
+    """A NaN or an infinity in x reaches its row's outputs, never a silent
+    finite number, and no other row of the tile."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = q4_blocks(q4_weight(48, 128, gen), kernel)
+    x = torch.randn(8, 128, generator=gen)
+    clean = kernel.q4bf16_linear(x, blocks, 48)
+    x[2, 100], x[5, 7], x[6, 64] = float("nan"), float("inf"), -float("inf")
+    y = kernel.q4bf16_linear(x, blocks, 48)
+    for r in (2, 5, 6):
+        assert not torch.isfinite(y[r]).any(), r
+    assert torch.isnan(y[2]).all()
+    keep = [0, 1, 3, 4, 7]
+    assert torch.equal(y[keep], clean[keep])
+
+
+@needs_cpu
+def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Generated rows through q4bf16_linear, prompt rows exact (or on the
+    bfloat16 panels where prefill_dtype=bfloat16 is on too): each row equals
+    what its path alone gives it."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(96, 50)
+    with torch.no_grad():
+        lin.weight.copy_(q4_weight(50, 96, gen))
+    layer = PackedLinear(lin, kernel)
+    rows = PromptRows()
+    layer.enable_bf16_decodes(rows)
+    assert layer.bf16_decodes and not layer.int8
+    x = torch.randn(40, 96, generator=gen)
+    dec = kernel.q4bf16_linear(x, layer.q4, 50, layer.bias)
+    exact = kernel.q4_linear(x, layer.q4, 50, layer.bias)
+    assert torch.equal(layer.forward(x), dec)  # no runs: no prompt row
+    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
+    mixed = layer.forward(x)
+    for lo, hi, prompt in rows.runs:
+        assert torch.equal(mixed[lo:hi], (exact if prompt else dec)[lo:hi])
+    layer.enable_bf16(rows)  # prompt rows on bfloat16 panels, the others as before
+    bf = kernel.bf16_linear(x, layer.bf16, 50, layer.bias)
+    rows.runs = row_runs([(3, 0), (37, 30)])
+    mixed = layer.forward(x)
+    assert torch.equal(mixed[:3], dec[:3]) and torch.equal(mixed[3:33], bf[3:33])
+    assert torch.equal(mixed[33:], dec[33:])
+    plain = PackedLinear(nn.Linear(64, 20), kernel)  # float32 panels: keeps its exact path
+    plain.enable_bf16_decodes(PromptRows())
+    assert not plain.bf16_decodes and plain.q4 is None
