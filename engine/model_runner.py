@@ -217,8 +217,8 @@ class ModelRunner:
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
-        self.head_rows: PromptRows | None = None  # decode_dtype=int8: the head's rows by path
-        self.bf16_decodes = model_config.decode_dtype == "bfloat16"
+        self.head_rows: PromptRows | None = None  # decode_dtype int8/bfloat16: the head's rows by path
+        self.quantized_decodes = ""
         if model_config.decode_dtype in ("int8", "bfloat16"):
             self.prompt_rows = self._quantized_decodes(model_config.decode_dtype)
         if self.bf16_prompts:
@@ -244,7 +244,7 @@ class ModelRunner:
     @property
     def decode_dtype(self) -> str:
         """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16" or ""."""
-        return "int8" if self.head_rows is not None else "bfloat16" if self.bf16_decodes else ""
+        return self.quantized_decodes
 
     def _quantized_decodes(self, dtype: str) -> PromptRows:
         """decode_dtype int8 or bfloat16: a float32 model's 4-bit layers run
@@ -261,14 +261,13 @@ class ModelRunner:
         if not isinstance(layer, PackedLinear) or layer.q4 is None:
             raise ValueError(f"decode_dtype: {dtype} needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or "
                              "GPTQ) on the packed CPU projections")
-        rows = PromptRows()
+        rows, self.head_rows, self.quantized_decodes = PromptRows(), PromptRows(), dtype
         if bf16:
-            self.model.enable_bf16_decodes(rows)
+            self.model.enable_bf16_decodes(rows, self.head_rows)
             return rows
         if not kernel.i8_vnni_supported():
             log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
                      "(the same results)", kernel.isa())
-        self.head_rows = PromptRows()
         self.model.enable_int8_decodes(rows, self.head_rows)
         return rows
 
@@ -369,7 +368,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, rows: Iterable[tuple[int, int]]) -> torch.Tensor:
         """The head over `hidden`'s rows, per group of them (its rows, how many
-        lead as prompt tokens): decode_dtype=int8 runs the others' on int8 inputs."""
+        lead as prompt tokens): decode_dtype int8 or bfloat16 runs the others' on its kernel."""
         if self.head_rows is None:
             return self.model.compute_logits(hidden)
         self.head_rows.runs = row_runs(rows)

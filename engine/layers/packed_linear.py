@@ -32,10 +32,11 @@ of every token but a prompt's last.  About twice the exact kernel's rate at
 Under decode_dtype=bfloat16 (CPUs with AVX512-BF16 and VBMI) the 4-bit layers
 run those tokens on kernel.q4bf16_linear: x rounded to bfloat16, the q values
 (exact in bfloat16) through vdpbf16ps with float32 sums, folded per block as
-the exact kernel folds them.  The weights are the same blocks (no other
-copy); the only rounding is x's.  One arithmetic for every row count; about
-1.8x the exact kernel's rate at 16-64 rows and the same at one (Zen 4).  The
-8-bit head keeps its exact path.
+the exact kernel folds them; an 8-bit head the same way (q8bf16_linear) for
+the logits of every token but a prompt's last.  The weights are the same
+blocks (no other copy); the only rounding is x's.  One arithmetic for every
+row count; about 1.8x the exact kernel's rate at 16-64 rows and the same at
+one (Zen 4); the head 1.4-1.6x at 16-64 rows, 0.8x at one.
 """
 
 from __future__ import annotations
@@ -248,8 +249,8 @@ class PackedLinear(nn.Module):
 
     def enable_bf16_decodes(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens with x rounded to
-        bfloat16 (a layer of 4-bit blocks; any other keeps its exact path)."""
-        self.bf16_decodes = self.q4 is not None
+        bfloat16 (a layer of 4- or 8-bit blocks; any other keeps its exact path)."""
+        self.bf16_decodes = self.q4 is not None or self.q8 is not None
         self.prompt_rows = rows
         self.decode = self._bind_generated()
 
@@ -280,7 +281,9 @@ class PackedLinear(nn.Module):
 
     def _generated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.bf16_decodes:
-            return self.kernel.q4bf16_linear(x, self.q4, self.out_features, self.bias, out=out)
+            fn, blocks = (self.kernel.q4bf16_linear, self.q4) if self.q4 is not None else \
+                (self.kernel.q8bf16_linear, self.q8)
+            return fn(x, blocks, self.out_features, self.bias, out=out)
         if self.int8:
             if self.q4 is not None:
                 return self.kernel.q4i8_linear(x, self.q4, self.out_features, self.bias, out=out)
@@ -295,8 +298,10 @@ class PackedLinear(nn.Module):
         of an 11 ms step (Zen 3, engine steps interleaved in one process)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
         blocks: torch.Tensor | None
-        if self.bf16_decodes:
+        if self.bf16_decodes and self.q4 is not None:
             fn, blocks = kernel.q4bf16_linear, self.q4
+        elif self.bf16_decodes:
+            fn, blocks = kernel.q8bf16_linear, self.q8
         elif self.int8 and self.q4 is not None:
             fn, blocks = kernel.q4i8_linear, self.q4
         elif self.int8:

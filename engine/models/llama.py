@@ -285,14 +285,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer, PackedLinear):
                 layer.enable_int8(head_rows if path == "lm_head" else rows)
 
-    def enable_bf16_decodes(self, rows: PromptRows) -> None:
+    def enable_bf16_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
         """decode_dtype=bfloat16: every layer's 4-bit projections run the rows
-        `rows` does not mark as prompt tokens on bfloat16 inputs (the head
-        keeps its exact path)."""
+        `rows` does not mark as prompt tokens on bfloat16 inputs, and a
+        quantized head (4- or 8-bit) those `head_rows` does not mark."""
         for path in self.linear_names():
             layer = self.get_submodule(path)
-            if path != "lm_head" and isinstance(layer, PackedLinear):
-                layer.enable_bf16_decodes(rows)
+            if isinstance(layer, PackedLinear):
+                layer.enable_bf16_decodes(head_rows if path == "lm_head" else rows)
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

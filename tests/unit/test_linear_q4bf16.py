@@ -1,6 +1,7 @@
-"""The 4-bit x bfloat16 kernel (decode_dtype=bfloat16): 4-bit blocks times x
-rounded to bfloat16, exact products summed in float32 (AVX512-BF16 with
-AVX512-VBMI), and the split of a step's rows between it and the prompt path."""
+"""The bfloat16-input kernels (decode_dtype=bfloat16): 4-bit (and the head's
+8-bit) blocks times x rounded to bfloat16, exact products summed in float32
+(AVX512-BF16 with AVX512-VBMI), and the split of a step's rows between them
+and the prompt path."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from torch import nn
 
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
-from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, row_runs
-from tests.unit.test_linear_isa import q4_weight
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
+from tests.unit.test_linear_isa import q4_weight, q8_weight
 
 Q4BF16_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"))
 needs_cpu = pytest.mark.skipif(not Q4BF16_CPU, reason="the CPU lacks AVX512-BF16 or AVX512-VBMI "
@@ -66,15 +67,36 @@ def test_q4bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int)
 
 
 @needs_cpu
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 193])
+@pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (576, 200)])
+def test_q8bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    """8-bit blocks (the head): each block adds d * sum(x q), q exact in bfloat16."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + 1)
+    w = q8_weight(n, k_in, gen)
+    blocks = q8_blocks(w, kernel)
+    assert blocks is not None
+    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    y = kernel.q8bf16_linear(x, blocks, n, b)
+    scale = (x.bfloat16().double().abs() @ w.double().abs().T).max().item()
+    assert (y.double() - reference(x, w, b)).abs().max().item() <= 1e-5 * scale
+    assert not torch.equal(y, kernel.q8_linear(x, blocks, n, b))
+    with pytest.raises(RuntimeError, match="q8bf16_linear: blocks must be uint8"):
+        kernel.q8bf16_linear(x, q4_blocks(q4_weight(n, k_in, gen), kernel), n)
+
+
+@needs_cpu
 def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ignore[no-untyped-def]
     """One row, a few (several panels at once) or many (tiles of rows): a
-    row's bits are the same."""
+    row's bits are the same (4-bit layers and the 8-bit head)."""
     gen = torch.Generator().manual_seed(7)
     blocks = q4_blocks(q4_weight(200, 128, gen), kernel)
+    head = q8_blocks(q8_weight(200, 128, gen), kernel)
     x = torch.randn(200, 128, generator=gen)
-    whole = kernel.q4bf16_linear(x, blocks, 200)
-    for lo, hi in ((0, 1), (1, 3), (5, 9), (17, 40), (3, 200), (199, 200), (0, 4), (0, 16), (0, 17), (0, 32)):
-        assert torch.equal(kernel.q4bf16_linear(x[lo:hi], blocks, 200), whole[lo:hi]), (lo, hi)
+    for f, w in ((kernel.q4bf16_linear, blocks), (kernel.q8bf16_linear, head)):
+        whole = f(x, w, 200)
+        for lo, hi in ((0, 1), (1, 3), (5, 9), (17, 40), (3, 200), (199, 200), (0, 4), (0, 12), (0, 13),
+                       (0, 32)):
+            assert torch.equal(f(x[lo:hi], w, 200), whole[lo:hi]), (f, lo, hi)
 
 
 @needs_cpu
@@ -121,6 +143,13 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     mixed = layer.forward(x)
     assert torch.equal(mixed[:3], dec[:3]) and torch.equal(mixed[3:33], bf[3:33])
     assert torch.equal(mixed[33:], dec[33:])
+    lin8 = nn.Linear(96, 40, bias=False)  # an 8-bit layer (the head) takes q8bf16_linear
+    with torch.no_grad():
+        lin8.weight.copy_(q8_weight(40, 96, gen))
+    head = PackedLinear(lin8, kernel)
+    head.enable_bf16_decodes(PromptRows())
+    assert head.bf16_decodes and head.q8 is not None
+    assert torch.equal(head.forward(x), kernel.q8bf16_linear(x, head.q8, 40))
     plain = PackedLinear(nn.Linear(64, 20), kernel)  # float32 panels: keeps its exact path
     plain.enable_bf16_decodes(PromptRows())
-    assert not plain.bf16_decodes and plain.q4 is None
+    assert not plain.bf16_decodes and plain.q4 is None and plain.q8 is None

@@ -457,13 +457,15 @@ __attribute__((optimize("no-fast-math"))) void bf16_block_sums(const uint32_t* x
   }
 }
 
-at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
-                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(q4bf16_supported(), "q4bf16_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES,
-              "q4bf16_linear: blocks must be uint8 [P, K/32, 384]");
+// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x rounded to bfloat16 first.
+at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
+  TORCH_CHECK(q4bf16_supported(), name, ": this CPU lacks AVX512-BF16 or AVX512-VBMI");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == block_bytes, name,
+              ": blocks must be uint8 [P, K/32, ", block_bytes, "]");
   const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
-  const LinearCall call = linear_call("q4bf16_linear", x, P, K, N, bias, out);
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -475,17 +477,28 @@ at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * (K / 2); i < end * (K / 2); ++i)
       pp[i] = round_bits(xp[2 * i]) | (uint32_t{round_bits(xp[2 * i + 1])} << 16);
-    bf16_block_sums(pp + begin * (K / 2), end - begin, K, sp + begin * KB);
+    if (!q8) bf16_block_sums(pp + begin * (K / 2), end - begin, K, sp + begin * KB);
   });
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t pbytes = KB * Q4_BLOCK_BYTES;
+  const int64_t pbytes = KB * block_bytes;
   const float* bp = call.bp();
   float* yp = y.data_ptr<float>();
+  const Q4Bf16Rows kernel = q8 ? kQ8Bf16 : kQ4Bf16;
   each_task(M, P, N, 4, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
-    kQ4Bf16(wp + p * pbytes, pbytes, np, K, pp + m0 * (K / 2), K / 2, sp + m0 * KB, KB, rows, bp, p * NR, cols,
-            yp + m0 * N, N);
+    kernel(wp + p * pbytes, pbytes, np, K, pp + m0 * (K / 2), K / 2, sp + m0 * KB, KB, rows, bp, p * NR, cols,
+           yp + m0 * N, N);
   });
   return y.view(call.sizes);
+}
+
+at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  return bf16_rows_linear("q4bf16_linear", x, blocks, false, N, bias, out);
+}
+
+at::Tensor q8bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  return bf16_rows_linear("q8bf16_linear", x, blocks, true, N, bias, out);
 }
 
 std::string isa_name() { return isa().name; }
@@ -730,6 +743,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU runs q4bf16_linear (AVX512-BF16 and AVX512-VBMI)");
   m.def("q4bf16_linear", &q4bf16_linear, nogil(),
         "x @ W.T (+ bias) with W as exact 4-bit blocks and x rounded to bfloat16 (float32 sums)",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
+  m.def("q8bf16_linear", &q8bf16_linear, nogil(),
+        "x @ W.T (+ bias) with W as exact 8-bit blocks and x rounded to bfloat16 (float32 sums)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
   m.def("isa", &isa_name, "the instruction set the projections run on");

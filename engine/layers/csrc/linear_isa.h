@@ -1223,12 +1223,76 @@ void q4bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
       tile_of<MR_BQ>(r, [&](auto rc) { group(std::integral_constant<int, 1>{}, rc, n, m, r); });
     }
 }
+
+// decode_dtype=bfloat16's head: 8-bit blocks (as q8) times rows of x rounded
+// to bfloat16.  Each panel is decoded once per call into bfloat16 pairs of
+// the exact q values (|q| <= 127 fits bfloat16's 8 bits), 16 pairs of 16
+// columns after the block's d as stored; each row tile reads it from L1.
+// Per block, one vdpbf16ps per pair of inputs into a float32 sum s, in k
+// order, then t = fma(s, d, t): one arithmetic for every row count.
+constexpr int64_t Q8BF_BLOCK_BYTES = NR * 4 + QB * NR * 2;  // d, then 16 pairs x 16 columns x 2 bfloat16
+constexpr int MR_B8 = 12;  // rows a tile: 12 sums and 12 accumulators
+
+inline void q8bf16_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* blk = p + kb * Q8_BLOCK_BYTES;
+    prefetch_block(blk + Q4_AHEAD * Q8_BLOCK_BYTES, Q8_BLOCK_BYTES);
+    uint8_t* o = out + kb * Q8BF_BLOCK_BYTES;
+    std::memcpy(o, blk, NR * 4);
+    for (int kp = 0; kp < QB / 2; ++kp) {  // inputs 2 kp, 2 kp + 1: rows of 16 int8, one per input
+      const uint8_t* q = blk + NR * 4 + 2 * kp * NR;
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + NR));
+      // (a[j], b[j]) for columns 0-7, then 8-15; each pair one 32-bit lane once converted
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+      _mm512_storeu_si512(o + NR * 4 + kp * 64, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
+template <int R>
+void q8bf16_tile(const uint8_t* dec, int64_t K, const uint32_t* x, int64_t ldx, float* tile) {
+  __m512 t[R];
+  for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    const uint8_t* b = dec + kb * Q8BF_BLOCK_BYTES;
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int kp = 0; kp < QB / 2; ++kp) {
+      const __m512i w = _mm512_loadu_si512(b + NR * 4 + kp * 64);
+      for (int r = 0; r < R; ++r) s[r] = dot_pair(s[r], w, x + r * ldx + kb * (QB / 2) + kp);
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(b));
+    for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(s[r], d, t[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + r * NR, t[r]);
+}
+
+void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const uint32_t* x, int64_t ldx,
+                 const float*, int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
+                 int64_t ldy) {
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  thread_local std::vector<uint8_t> dec;
+  dec.resize(static_cast<size_t>(K / QB * Q8BF_BLOCK_BYTES));
+  alignas(64) float tile[MR_B8 * NR];
+  const int64_t tiles = (rows + MR_B8 - 1) / MR_B8;
+  for (int64_t n = 0; n < np; ++n) {
+    q8bf16_decode_panel(p + n * pbytes, K, dec.data());
+    for (int64_t t = 0; t < tiles; ++t) {
+      const auto [m, r] = row_tile(rows, t, tiles);
+      tile_of<MR_B8>(r, [&](auto rc) { q8bf16_tile<decltype(rc)::value>(dec.data(), K, x + m * ldx, ldx, tile); });
+      store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
+    }
+  }
+}
 #endif
 
 }  // namespace
 
 #if defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
+extern const Q4Bf16Rows kQ8Bf16 = q8bf16_rows;
 #elif defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
 #elif defined(SPLITSERVE_ISA_VNNI)

@@ -99,6 +99,9 @@ using Q4Bf16Rows = void (*)(const void* panels, int64_t pbytes, int64_t np, int6
                             int64_t ldx, const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0,
                             int64_t cols, float* y, int64_t ldy);
 extern const Q4Bf16Rows kQ4Bf16;
+// The same for 8-bit blocks (as q8; the head): each block adds d * sum(x q),
+// the q values exact in bfloat16; sx unused.
+extern const Q4Bf16Rows kQ8Bf16;
 extern const Q4I8Rows kQ4I8Vnni;
 extern const Q8I8Rows kQ8I8Vnni;
 
