@@ -6,7 +6,7 @@ and medians reported, since the machines are shared and noisy.
 
     python -m benchmarks.step_profile --dtypes float32,bfloat16 --batch 1 --steps 64
     python -m benchmarks.step_profile --dtypes float32,float32/bfloat16 --batch 32   # dtype/KV cache dtype
-    python -m benchmarks.step_profile --dtypes float32/bfloat16,float32/bfloat16+int8  # --decode-dtype
+    python -m benchmarks.step_profile --dtypes float32/bfloat16,float32/bfloat16+bfloat16  # --decode-dtype
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
     now = time.thread_time if cpu_time else time.perf_counter
     llms: dict[str, tuple[LLM, Clock]] = {}
     for dt in dtypes:
-        # "float32/bfloat16": a float32 model, a bfloat16 cache; "+int8": --decode-dtype int8
+        # "float32/bfloat16": a float32 model, a bfloat16 cache; "+int8": --decode-dtype int8 (or bfloat16)
         base, _, decode = dt.partition("+")
         model_dtype, _, kv = base.partition("/")
         llm = LLM(dtype=model_dtype, num_threads=threads, max_num_seqs=max(batch, 1),
