@@ -63,13 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16 projections (CPUs with AVX512-BF16; about twice as fast), generated "
                         "tokens stay exact; prefill and decode must agree")
     g.add_argument("--decode-dtype", default=ModelConfig.decode_dtype, choices=DECODE_DTYPES,
-                   help="auto: generated tokens in --dtype; int8: a float32 model's generated tokens "
-                        "through its 4-bit layers and 8-bit head with inputs quantized to int8 per block "
-                        "of 32 (integer dot products, AVX512-VNNI where present; about 1.7x the decode "
-                        "steps of 32 sequences, less exact); bfloat16: a float32 model's generated "
-                        "tokens through its 4-bit layers with inputs rounded to bfloat16, the weights "
-                        "exact (AVX512-BF16 and VBMI; about 1.8x the exact kernel at 16-64 rows); "
-                        "prompt tokens keep their path")
+                   help="auto: generated tokens in --dtype; for a float32 model of 4-bit weights, "
+                        "int8 (inputs quantized to int8 per block of 32: integer dot products, about "
+                        "1.7x the decode steps of 32 sequences, less exact) or bfloat16 (inputs "
+                        "rounded to bfloat16, the weights exact; AVX512-BF16 and VBMI); prompt "
+                        "tokens keep their path")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
