@@ -253,7 +253,8 @@ class ModelRunner:
         bf16 = dtype == "bfloat16"
         if self.dtype != torch.float32 or kernel is None or (bf16 and not kernel.q4bf16_supported()):
             where = "a CPU with AVX512-BF16 and AVX512-VBMI" if bf16 else "a CPU"
-            kernels = "unavailable" if kernel is None else "built"
+            kernels = ("unavailable" if kernel is None else "built, the CPU without them"
+                       if bf16 and not kernel.q4bf16_supported() else "built")
             raise ValueError(f"decode_dtype: {dtype} needs a float32 model on {where} "
                              f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
                              f"{self.device.type}, CPU kernels {kernels})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.unit.test_linear_q4bf16 import Q4BF16_CPU
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 from .procs import start_pair, stop_all
@@ -40,6 +41,9 @@ def test_refused_where_it_cannot_run(decodes: str) -> None:
     for dtype in ("float16", "bfloat16"):
         with pytest.raises(ValueError, match=f"decode_dtype: {decodes} needs a float32 model on a CPU"):
             LLM(dtype=dtype, num_blocks=16, num_threads=1, decode_dtype=decodes)
+    if decodes == "bfloat16" and not Q4BF16_CPU:  # a float32 model, on a CPU without the instructions
+        with pytest.raises(ValueError, match="AVX512-BF16 and AVX512-VBMI .*the CPU without them"):
+            LLM(dtype="float32", num_blocks=16, num_threads=1, decode_dtype=decodes)
 
 
 @pytest.mark.parametrize("decodes", DECODES)
