@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
 from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
-from tests.unit.test_linear_isa import q4_weight, q8_weight
+from tests.unit.test_linear_isa import product_case, q4_weight, q8_weight
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
@@ -63,11 +63,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 25, 192, 193])
 @pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (96, 200), (576, 48)])
 def test_q4i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(m * 1000 + n)
-    w = q4_weight(n, k_in, gen)
-    blocks = q4_blocks(w, kernel)
-    assert blocks is not None
-    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    w, blocks, x, b = product_case(kernel, q4_weight, m, k_in, n, m * 1000 + n)
     y = kernel.q4i8_linear(x, blocks, n, b)
     ref = reference(x, w, b)
     assert y.shape == (m, n) and y.dtype == torch.float32
@@ -81,11 +77,8 @@ def test_q4i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> N
 @pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (576, 200)])
 def test_q8i8_linear_is_the_int8_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
     """8-bit blocks (the head): each block adds d * dx * sum(q xq), exact integers."""
-    gen = torch.Generator().manual_seed(m * 1000 + n + 1)
-    w = q8_weight(n, k_in, gen)
-    blocks = q8_blocks(w, kernel)
-    assert blocks is not None
-    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    w, blocks, x, b = product_case(kernel, q8_weight, m, k_in, n, m * 1000 + n + 1)
+    gen = torch.Generator().manual_seed(m)
     y = kernel.q8i8_linear(x, blocks, n, b)
     xq, dx, _ = quantized(x)
     ref = (xq * dx).view(m, k_in).double() @ w.double().T + b.double()

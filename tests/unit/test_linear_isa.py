@@ -54,6 +54,17 @@ def q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return (d * q).reshape(n, k)
 
 
+def product_case(kernel, make_weight, m: int, k_in: int, n: int,  # type: ignore[no-untyped-def]
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized weight (q4_weight or q8_weight) of n x k_in, its blocks, m rows
+    of x and a bias, all from `seed`: (w, blocks, x, bias)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_weight(n, k_in, gen)
+    blocks = (q4_blocks if make_weight is q4_weight else q8_blocks)(w, kernel)
+    assert blocks is not None
+    return w, blocks, torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+
+
 # Rows around the wide (several panels at once) and the per-row-block kernels,
 # columns that are and are not whole panels and groups of panels.
 ROWS = (1, 2, 3, 4, 5, 13, 200)

@@ -12,7 +12,7 @@ from torch import nn
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
 from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
-from tests.unit.test_linear_isa import q4_weight, q8_weight
+from tests.unit.test_linear_isa import product_case, q4_weight, q8_weight
 
 Q4BF16_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"))
 needs_cpu = pytest.mark.skipif(not Q4BF16_CPU, reason="the CPU lacks AVX512-BF16 or AVX512-VBMI "
@@ -47,11 +47,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 33, 192, 193])
 @pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (96, 200), (576, 48)])
 def test_q4bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(m * 1000 + n)
-    w = q4_weight(n, k_in, gen)
-    blocks = q4_blocks(w, kernel)
-    assert blocks is not None
-    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    w, blocks, x, b = product_case(kernel, q4_weight, m, k_in, n, m * 1000 + n)
     y = kernel.q4bf16_linear(x, blocks, n, b)
     ref = reference(x, w, b)
     assert y.shape == (m, n) and y.dtype == torch.float32
@@ -71,17 +67,13 @@ def test_q4bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int)
 @pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (576, 200)])
 def test_q8bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
     """8-bit blocks (the head): each block adds d * sum(x q), q exact in bfloat16."""
-    gen = torch.Generator().manual_seed(m * 1000 + n + 1)
-    w = q8_weight(n, k_in, gen)
-    blocks = q8_blocks(w, kernel)
-    assert blocks is not None
-    x, b = torch.randn(m, k_in, generator=gen), torch.randn(n, generator=gen)
+    w, blocks, x, b = product_case(kernel, q8_weight, m, k_in, n, m * 1000 + n + 1)
     y = kernel.q8bf16_linear(x, blocks, n, b)
     scale = (x.bfloat16().double().abs() @ w.double().abs().T).max().item()
     assert (y.double() - reference(x, w, b)).abs().max().item() <= 1e-5 * scale
     assert not torch.equal(y, kernel.q8_linear(x, blocks, n, b))
     with pytest.raises(RuntimeError, match="q8bf16_linear: blocks must be uint8"):
-        kernel.q8bf16_linear(x, q4_blocks(q4_weight(n, k_in, gen), kernel), n)
+        kernel.q8bf16_linear(x, q4_blocks(q4_weight(n, k_in, torch.Generator().manual_seed(m)), kernel), n)
 
 
 @needs_cpu

@@ -470,7 +470,7 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
   auto pairs = at::empty({M, K / 2}, x2.options().dtype(at::kInt));
-  auto sums = at::empty({M, KB}, x2.options());
+  auto sums = at::empty({q8 ? 0 : M, KB}, x2.options());  // the 4-bit blocks' m term only
   uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
   float* sp = sums.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
@@ -707,48 +707,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute kernels run without the GIL: the worker's event loop (gRPC
   // sends, new requests) runs its Python while the engine thread computes.
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  // The linear kernels' common signature: (x, weights, n, bias=None, out=None), without the GIL.
+  using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
+                                  const c10::optional<at::Tensor>&);
+  auto def_linear = [&m](const char* name, LinearFn fn, const char* weights, const char* doc) {
+    m.def(name, fn, nogil(), doc, pybind11::arg("x"), pybind11::arg(weights), pybind11::arg("n"),
+          pybind11::arg("bias") = pybind11::none(), pybind11::arg("out") = pybind11::none());
+  };
   m.def("use_pool", [](bool on) { claim_pool::enabled() = on; },
         "run the kernels on their own thread pool (only where OpenMP's idle threads sleep)");
   m.def("pack_weight", &pack_weight, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
-  m.def("packed_linear", &packed_linear, nogil(), "x @ W.T (+ bias) with a packed weight",
-        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
-  m.def("q4_linear", &q4_linear, nogil(),
-        "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
+  def_linear("packed_linear", &packed_linear, "panels", "x @ W.T (+ bias) with a packed weight");
+  def_linear("q4_linear", &q4_linear, "blocks",
+        "x @ W.T (+ bias) with W held as exact 4-bit blocks (sums factored per block)");
   m.def("q4_unpack", &q4_unpack, "the float32 weights q4 blocks stand for");
-  m.def("q4i8_linear", &q4i8_linear, nogil(),
-        "x @ W.T (+ bias) with W as exact 4-bit blocks and x quantized to int8 per block of 32 inputs",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
-  m.def("q8i8_linear", &q8i8_linear, nogil(),
-        "x @ W.T (+ bias) with W as exact 8-bit blocks and x quantized to int8 per block of 32 inputs",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
+  def_linear("q4i8_linear", &q4i8_linear, "blocks",
+        "x @ W.T (+ bias) with W as exact 4-bit blocks and x quantized to int8 per block of 32 inputs");
+  def_linear("q8i8_linear", &q8i8_linear, "blocks",
+        "x @ W.T (+ bias) with W as exact 8-bit blocks and x quantized to int8 per block of 32 inputs");
   m.def("i8_vnni_supported", &i8_vnni_supported,
         "whether q4i8_linear and q8i8_linear run their AVX512-VNNI kernels here (else the AVX2 ones, or "
         "portable code without AVX2: the same bits)");
-  m.def("q8_linear", &q8_linear, nogil(), "x @ W.T (+ bias) with W held as exact 8-bit blocks",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
+  def_linear("q8_linear", &q8_linear, "blocks", "x @ W.T (+ bias) with W held as exact 8-bit blocks");
   m.def("q8_unpack", &q8_unpack, "the float32 weights q8 blocks stand for");
   m.def("bf16_supported", &bf16_supported, "whether this CPU runs bf16_linear (AVX512-BF16)");
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
-  m.def("bf16_linear", &bf16_linear, nogil(),
-        "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only",
-        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
+  def_linear("bf16_linear", &bf16_linear, "panels",
+        "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
   m.def("q4bf16_supported", &q4bf16_supported,
         "whether this CPU runs q4bf16_linear (AVX512-BF16 and AVX512-VBMI)");
-  m.def("q4bf16_linear", &q4bf16_linear, nogil(),
-        "x @ W.T (+ bias) with W as exact 4-bit blocks and x rounded to bfloat16 (float32 sums)",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
-  m.def("q8bf16_linear", &q8bf16_linear, nogil(),
-        "x @ W.T (+ bias) with W as exact 8-bit blocks and x rounded to bfloat16 (float32 sums)",
-        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("out") = pybind11::none());
+  def_linear("q4bf16_linear", &q4bf16_linear, "blocks",
+        "x @ W.T (+ bias) with W as exact 4-bit blocks and x rounded to bfloat16 (float32 sums)");
+  def_linear("q8bf16_linear", &q8bf16_linear, "blocks",
+        "x @ W.T (+ bias) with W as exact 8-bit blocks and x rounded to bfloat16 (float32 sums)");
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU runs");

@@ -1145,6 +1145,20 @@ SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx
 // rounded x, so the 128s cancel.  Pairs in k order, then the fold, for every
 // row count: a row's result never depends on its batch.
 constexpr int MR_BQ = 8;  // rows a tile: 16 sums and 16 accumulators with one panel
+// Column j's bytes 4j..4j+3 -> words (0x43, byte 4j + a), (0x43, byte 4j + b):
+// table [0] takes bytes 4j, 4j + 1, [1] bytes 4j + 2, 4j + 3; 64 picks the 0x43.
+struct PairIdx {
+  alignas(64) uint8_t v[2][64];
+  constexpr PairIdx() : v{} {
+    for (int j = 0; j < 16; ++j)
+      for (int t = 0; t < 2; ++t)
+        for (int h = 0; h < 2; ++h) {
+          v[t][4 * j + 2 * h] = static_cast<uint8_t>(4 * j + 2 * t + h);
+          v[t][4 * j + 2 * h + 1] = 64;
+        }
+  }
+};
+constexpr PairIdx kPairIdx{};
 inline __m512i nibble_pairs(__m512i nibbles, __m512i idx, __m512i hi) {
   return _mm512_permutex2var_epi8(nibbles, idx, hi);
 }
@@ -1153,15 +1167,7 @@ template <int R, int NP>
 void q4bf16_tile(const uint8_t* p, int64_t pbytes, int64_t K, const uint32_t* x, int64_t ldx, const float* sx,
                  int64_t ldxs, float* tile) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(0x43);
-  // Column j's bytes 4j..4j+3 -> words (0x43, byte 4j + a), (0x43, byte 4j + b): from `nibbles` below 64, `hi` above.
-  alignas(64) uint8_t i01[64], i23[64];
-  for (int j = 0; j < 16; ++j)
-    for (int h = 0; h < 2; ++h) {
-      i01[4 * j + 2 * h] = static_cast<uint8_t>(4 * j + h);
-      i23[4 * j + 2 * h] = static_cast<uint8_t>(4 * j + 2 + h);
-      i01[4 * j + 2 * h + 1] = i23[4 * j + 2 * h + 1] = 64;
-    }
-  const __m512i idx01 = _mm512_load_si512(i01), idx23 = _mm512_load_si512(i23);
+  const __m512i idx01 = _mm512_load_si512(kPairIdx.v[0]), idx23 = _mm512_load_si512(kPairIdx.v[1]);
   const __m512 minus128 = _mm512_set1_ps(-128.0f);
   const int64_t KB = K / QB;
   __m512 t[R][NP];
