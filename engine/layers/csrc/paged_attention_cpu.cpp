@@ -148,6 +148,7 @@ constexpr int DW = 8;
 typedef float dvec __attribute__((vector_size(DW * 4)));
 typedef float dvec_u __attribute__((vector_size(DW * 4), aligned(4)));
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));
 
 // a[0:D] += p[i] * rows[i * stride : + D] for i < n, in that order, with a in
@@ -281,6 +282,97 @@ inline void dot_rows(const float* __restrict__ q, const T* __restrict__ rows, in
   }
 }
 
+// One head's online-softmax step over a block's n scores sh: the running max
+// m and sum l take the block in, sh becomes exp(score - new max), and the
+// factor the head's accumulator is rescaled by comes back (0 on the first
+// block).  AVX-512: 16 scores a register, read as the dot products stored
+// them (scalar reads of a vector store stall, waiting for it to land), with
+// the attention kernels' exp (exp_poly.h); a NaN score stays NaN.  Not
+// inlined: one body for every cache dtype, so that -ffast-math cannot
+// contract it differently in each (a float16 cache's sums are a float32
+// copy's, bit for bit).
+__attribute__((noinline)) float fold_block(float* __restrict__ sh, int64_t n, float& m, float& l) {
+#if defined(__AVX512F__)
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = neg_inf;
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const __mmask16 k = n - i0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i0)) - 1);
+    vmax = _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, k, sh + i0), vmax);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  const float rescale = std::exp(m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const __mmask16 k = n - i0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i0)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + i0), mv);
+    __m512 e = reinterpret_cast<__m512>(splitserve_exp::exp_nonpositive<f32x16, i32x16>(reinterpret_cast<f32x16>(x)));
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    _mm512_mask_storeu_ps(sh + i0, k, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
+  }
+  l = l * rescale + _mm512_reduce_add_ps(vsum);
+  m = m_new;
+  return rescale;
+#else
+  float bmax = sh[0];
+  for (int64_t i = 1; i < n; ++i) bmax = std::max(bmax, sh[i]);
+  const float m_new = std::max(m, bmax);
+  const float rescale = std::exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m_new); sum += sh[i]; }
+  l = l * rescale + sum;
+  m = m_new;
+  return rescale;
+#endif
+}
+
+// dot_rows for NH query heads that share a KV head (queries q + g * D,
+// scores s + g * s_stride): each key row is read and widened once for all of
+// them; per head the same sums in the same order as dot_rows.
+template <int D, int NH, typename T>
+inline void dot_rows_nh(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
+                        float* __restrict__ s, int64_t s_stride) {
+  constexpr int C = D / 16;
+  f32x16 qv[NH][C];
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = *reinterpret_cast<const f32x16_u*>(q + g * D + 16 * c);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    f32x16 part[NH][16];
+    for (int j = 0; j < 16; ++j) {
+      if (j < m) {
+        const T* r = rows + (i0 + j) * stride;
+        f32x16 row[C];
+        for (int c = 0; c < C; ++c) row[c] = RowLoad<T>::at(r + 16 * c);
+        for (int g = 0; g < NH; ++g) {
+          f32x16 acc = {};
+          for (int c = 0; c < C; ++c) acc += qv[g][c] * row[c];
+          part[g][j] = acc;
+        }
+      } else {
+        for (int g = 0; g < NH; ++g) part[g][j] = f32x16{};
+      }
+    }
+    for (int g = 0; g < NH; ++g) {
+      const f32x16 sums = lane_sums(part[g]);
+      if (m == 16) *reinterpret_cast<f32x16_u*>(s + g * s_stride + i0) = sums;
+      else std::memcpy(s + g * s_stride + i0, &sums, m * sizeof(float));
+    }
+  }
+}
+
+template <int D, typename T>
+inline void dot_rows_heads(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
+                           float* __restrict__ s, int64_t s_stride, int64_t nh) {
+  switch (nh) {
+    case 1: return dot_rows_nh<D, 1>(q, rows, stride, n, s, s_stride);
+    case 2: return dot_rows_nh<D, 2>(q, rows, stride, n, s, s_stride);
+    case 3: return dot_rows_nh<D, 3>(q, rows, stride, n, s, s_stride);
+    default: return dot_rows_nh<D, 4>(q, rows, stride, n, s, s_stride);
+  }
+}
+
 // Partial result of one span: per query head, m, l and the unnormalised sum.
 struct Partial {
   float* m;    // [Hq]
@@ -328,9 +420,13 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     };
     if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
       if constexpr (RowLoad<scalar_t>::value) {  // rows widened in registers as they are read
-        for (int64_t h = 0; h < Hq; ++h) {
-          if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
-          dot_rows<D_>(qf + h * D, kb + (h / G) * s_head, s_tok, n, scores + h * bs);
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t h = hk * G + g0;
+            dot_rows_heads<D_>(qf + h * D, kb + hk * s_head, s_tok, n, scores + h * bs, bs,
+                               std::min<int64_t>(4, G - g0));
+          }
         }
       } else {
         widen(kb);
@@ -358,15 +454,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     }
     // Online softmax: fold the block into each head's running max and sum.
     for (int64_t h = 0; h < Hq; ++h) {
-      float* sh = scores + h * bs;
-      float bmax = sh[0];
-      for (int64_t i = 1; i < n; ++i) bmax = std::max(bmax, sh[i]);
-      const float m_new = std::max(out.m[h], bmax);
-      const float rescale = std::exp(out.m[h] - m_new);  // 0 on the first block
-      float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m_new); sum += sh[i]; }
-      out.l[h] = out.l[h] * rescale + sum;
-      out.m[h] = m_new;
+      const float rescale = fold_block(scores + h * bs, n, out.m[h], out.l[h]);
       if (rescale != 1.f) {
         float* a = out.acc + h * D;
         for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
