@@ -199,7 +199,13 @@ def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor,
     """
     vocab_size = logits.shape[1]
     device = logits.device
-    logits = logits.float().clone()
+    caller = logits
+    logits = logits.float()
+
+    def writable(t: Tensor) -> Tensor:
+        """t, or a copy where it is the caller's tensor: in place only on our own
+        (a copy for every step costs a [B, V] pass; plain greedy rows need none)."""
+        return t.clone() if t.data_ptr() == caller.data_ptr() else t
 
     pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if pen_rows:
@@ -210,6 +216,7 @@ def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor,
 
         idx = torch.tensor(pen_rows, device=device)
         seen = [r.penalty_ids() for r in sub]
+        logits = writable(logits)
         logits[idx] = apply_penalties(
             logits[idx],
             token_counts([prompt for prompt, _ in seen], vocab_size, device),
@@ -224,7 +231,7 @@ def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor,
     guided = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
     if guided:
         masks = torch.stack([rows[i].token_bitmask for i in guided])  # type: ignore[misc]
-        logits = apply_token_bitmask(logits, masks, guided)
+        logits = apply_token_bitmask(writable(logits), masks, guided)
     argmax_logits = logits
 
     sampled = [not is_greedy(r.params) for r in rows]

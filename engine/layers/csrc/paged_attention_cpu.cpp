@@ -258,30 +258,6 @@ inline f32x16 lane_sums(const f32x16 (&v)[16]) {
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// s[i] = q . rows[i * stride : + D] for i < n, 16 positions at a time.
-template <int D, typename T>
-inline void dot_rows(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
-                     float* __restrict__ s) {
-  constexpr int C = D / 16;
-  f32x16 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = *reinterpret_cast<const f32x16_u*>(q + 16 * c);
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
-    f32x16 part[16];
-    for (int j = 0; j < 16; ++j) {
-      f32x16 acc = {};
-      if (j < m) {
-        const T* r = rows + (i0 + j) * stride;
-        for (int c = 0; c < C; ++c) acc += qv[c] * RowLoad<T>::at(r + 16 * c);
-      }
-      part[j] = acc;
-    }
-    const f32x16 sums = lane_sums(part);
-    if (m == 16) *reinterpret_cast<f32x16_u*>(s + i0) = sums;
-    else std::memcpy(s + i0, &sums, m * sizeof(float));
-  }
-}
-
 // One head's online-softmax step over a block's n scores sh: the running max
 // m and sum l take the block in, sh becomes exp(score - new max), and the
 // factor the head's accumulator is rescaled by comes back (0 on the first
@@ -327,9 +303,10 @@ __attribute__((noinline)) float fold_block(float* __restrict__ sh, int64_t n, fl
 #endif
 }
 
-// dot_rows for NH query heads that share a KV head (queries q + g * D,
-// scores s + g * s_stride): each key row is read and widened once for all of
-// them; per head the same sums in the same order as dot_rows.
+// s[g * s_stride + i] = q[g * D : + D] . rows[i * stride : + D] for i < n,
+// 16 positions at a time, for NH query heads that share a KV head: each key
+// row is read and widened once for all of them; per head a row's products
+// summed in one register, then 16 of them across lanes (lane_sums).
 template <int D, int NH, typename T>
 inline void dot_rows_nh(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
                         float* __restrict__ s, int64_t s_stride) {
@@ -419,21 +396,22 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       else return {kv_f + hk * D, Hkv * D};
     };
     if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
-      if constexpr (RowLoad<scalar_t>::value) {  // rows widened in registers as they are read
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
+      // Rows widened in registers as they are read where RowLoad can, else
+      // widened into kv_f first: the same sums either way.
+      if constexpr (!RowLoad<scalar_t>::value) widen(kb);
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
+        auto dots = [&](const auto* krows, int64_t kstride) {
           for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t h = hk * G + g0;
-            dot_rows_heads<D_>(qf + h * D, kb + hk * s_head, s_tok, n, scores + h * bs, bs,
-                               std::min<int64_t>(4, G - g0));
+            dot_rows_heads<D_>(qf + h * D, krows, kstride, n, scores + h * bs, bs, std::min<int64_t>(4, G - g0));
           }
-        }
-      } else {
-        widen(kb);
-        for (int64_t h = 0; h < Hq; ++h) {
-          if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
-          const auto [krows, kstride] = head_rows(kb, h / G);
-          dot_rows<D_>(qf + h * D, krows, kstride, n, scores + h * bs);
+        };
+        if constexpr (RowLoad<scalar_t>::value) {
+          dots(kb + hk * s_head, s_tok);
+        } else {
+          const auto [krows, kstride] = head_rows(kb, hk);
+          dots(krows, kstride);
         }
       }
     } else {
