@@ -128,6 +128,17 @@ def test_penalties_then_bias_per_row() -> None:
     assert_close(compute_probs(logits, rows), expected.softmax(-1))
 
 
+def test_processing_leaves_the_callers_logits_as_they_were() -> None:
+    """Penalties write into the logits in place, on a copy: the caller's tensor
+    (the model's output, gathered again for logprobs) keeps its values."""
+    logits = logits_for(5, batch=2)
+    before = logits.clone()
+    argmax_logits, _ = S.process_logits(logits, [row(prompt=[0, 1], repetition_penalty=2.0), row()])
+    assert torch.equal(logits, before)
+    assert not torch.equal(argmax_logits, before)  # the penalty did change the row it applies to
+    assert torch.equal(argmax_logits[1], before[1])
+
+
 def test_no_penalties_in_batch_builds_no_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("token_counts called without penalties")
