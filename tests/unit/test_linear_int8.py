@@ -13,8 +13,15 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
-from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
-from tests.unit.test_linear_isa import product_case, q4_weight, q8_weight
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks
+from tests.unit.test_linear_isa import (
+    assert_prompt_rows_on_bf16_panels,
+    assert_rows_on_their_paths,
+    packed_layers,
+    product_case,
+    q4_weight,
+    q8_weight,
+)
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
@@ -166,36 +173,19 @@ def test_out_writes_only_its_rows_and_bad_input_is_refused(kernel, name: str) ->
 def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: ignore[no-untyped-def]
     """Generated rows through the int8 kernel, prompt rows exact (or bfloat16
     where both are on): each row equals what its path alone gives it."""
-    gen = torch.Generator().manual_seed(3)
-    lin = nn.Linear(96, 50)
-    with torch.no_grad():
-        lin.weight.copy_(q4_weight(50, 96, gen))
-    layer = PackedLinear(lin, kernel)
+    layer, head = packed_layers(kernel, torch.Generator().manual_seed(3))
     rows = PromptRows()
     layer.enable_int8(rows)
     assert layer.int8
-    x = torch.randn(40, 96, generator=gen)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
     int8 = kernel.q4i8_linear(x, layer.q4, 50, layer.bias)
     exact = kernel.q4_linear(x, layer.q4, 50, layer.bias)
-    assert torch.equal(layer.forward(x), int8)  # no runs: no prompt row
-    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
-    mixed = layer.forward(x)
-    for lo, hi, prompt in rows.runs:
-        assert torch.equal(mixed[lo:hi], (exact if prompt else int8)[lo:hi])
+    assert_rows_on_their_paths(layer, rows, x, int8, exact)
     rows.runs = ((0, 40, True),)
     assert torch.equal(layer.forward(x), exact)
     if kernel.bf16_supported():  # both options: prompt rows bfloat16, the others int8
-        layer.enable_bf16(rows)
-        bf = kernel.bf16_linear(x, layer.bf16, 50, layer.bias)
-        rows.runs = row_runs([(3, 0), (37, 30)])
-        mixed = layer.forward(x)
-        assert torch.equal(mixed[:3], int8[:3]) and torch.equal(mixed[3:33], bf[3:33])
-        assert torch.equal(mixed[33:], int8[33:])
+        assert_prompt_rows_on_bf16_panels(kernel, layer, rows, x, int8)
     # an 8-bit layer (the head) takes q8i8_linear; one of float32 panels keeps its exact path
-    lin8 = nn.Linear(96, 40, bias=False)
-    with torch.no_grad():
-        lin8.weight.copy_(q8_weight(40, 96, gen))
-    head = PackedLinear(lin8, kernel)
     head.enable_int8(PromptRows())
     assert head.int8 and head.q8 is not None
     assert torch.equal(head.forward(x), kernel.q8i8_linear(x, head.q8, 40))

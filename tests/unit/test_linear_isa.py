@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.layers.cpu_attention import load_linear_kernel
-from engine.layers.packed_linear import q4_blocks, q8_blocks
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
 
 ISAS = ("scalar", "avx2", "avx512")
 
@@ -52,6 +53,38 @@ def q8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
     q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, -1.0, 1.0)
     return (d * q).reshape(n, k)
+
+
+def packed_layers(kernel, gen: torch.Generator) -> tuple[PackedLinear, PackedLinear]:  # type: ignore[no-untyped-def]
+    """A 4-bit projection (96 -> 50, with a bias) and an 8-bit one without (96 -> 40,
+    as the head), packed: the layers the decode-dtype options split rows for."""
+    lin, lin8 = nn.Linear(96, 50), nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q4_weight(50, 96, gen))
+        lin8.weight.copy_(q8_weight(40, 96, gen))
+    return PackedLinear(lin, kernel), PackedLinear(lin8, kernel)
+
+
+def assert_rows_on_their_paths(layer: PackedLinear, rows: PromptRows, x: torch.Tensor,
+                               generated: torch.Tensor, exact: torch.Tensor) -> None:
+    """With no prompt run every row is a generated one; with runs, each row equals
+    what its path alone gives it (generated rows `generated`, prompt rows `exact`)."""
+    assert torch.equal(layer.forward(x), generated)  # no runs: no prompt row
+    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
+    mixed = layer.forward(x)
+    for lo, hi, prompt in rows.runs:
+        assert torch.equal(mixed[lo:hi], (exact if prompt else generated)[lo:hi])
+
+
+def assert_prompt_rows_on_bf16_panels(kernel, layer: PackedLinear, rows: PromptRows,  # type: ignore[no-untyped-def]
+                                      x: torch.Tensor, generated: torch.Tensor) -> None:
+    """prefill_dtype=bfloat16 on too: prompt rows on the bfloat16 panels, the others as before."""
+    layer.enable_bf16(rows)
+    bf = kernel.bf16_linear(x, layer.bf16, layer.out_features, layer.bias)
+    rows.runs = row_runs([(3, 0), (37, 30)])
+    mixed = layer.forward(x)
+    assert torch.equal(mixed[:3], generated[:3]) and torch.equal(mixed[3:33], bf[3:33])
+    assert torch.equal(mixed[33:], generated[33:])
 
 
 def product_case(kernel, make_weight, m: int, k_in: int, n: int,  # type: ignore[no-untyped-def]

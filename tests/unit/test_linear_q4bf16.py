@@ -11,8 +11,15 @@ from torch import nn
 
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.cpu_features import has
-from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks, row_runs
-from tests.unit.test_linear_isa import product_case, q4_weight, q8_weight
+from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks, q8_blocks
+from tests.unit.test_linear_isa import (
+    assert_prompt_rows_on_bf16_panels,
+    assert_rows_on_their_paths,
+    packed_layers,
+    product_case,
+    q4_weight,
+    q8_weight,
+)
 
 Q4BF16_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"))
 needs_cpu = pytest.mark.skipif(not Q4BF16_CPU, reason="the CPU lacks AVX512-BF16 or AVX512-VBMI "
@@ -113,33 +120,15 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     """Generated rows through q4bf16_linear, prompt rows exact (or on the
     bfloat16 panels where prefill_dtype=bfloat16 is on too): each row equals
     what its path alone gives it."""
-    gen = torch.Generator().manual_seed(3)
-    lin = nn.Linear(96, 50)
-    with torch.no_grad():
-        lin.weight.copy_(q4_weight(50, 96, gen))
-    layer = PackedLinear(lin, kernel)
+    layer, head = packed_layers(kernel, torch.Generator().manual_seed(3))
     rows = PromptRows()
     layer.enable_bf16_decodes(rows)
     assert layer.bf16_decodes and not layer.int8
-    x = torch.randn(40, 96, generator=gen)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
     dec = kernel.q4bf16_linear(x, layer.q4, 50, layer.bias)
-    exact = kernel.q4_linear(x, layer.q4, 50, layer.bias)
-    assert torch.equal(layer.forward(x), dec)  # no runs: no prompt row
-    rows.runs = row_runs([(1, 0), (1, 0), (20, 12), (18, 18)])
-    mixed = layer.forward(x)
-    for lo, hi, prompt in rows.runs:
-        assert torch.equal(mixed[lo:hi], (exact if prompt else dec)[lo:hi])
-    layer.enable_bf16(rows)  # prompt rows on bfloat16 panels, the others as before
-    bf = kernel.bf16_linear(x, layer.bf16, 50, layer.bias)
-    rows.runs = row_runs([(3, 0), (37, 30)])
-    mixed = layer.forward(x)
-    assert torch.equal(mixed[:3], dec[:3]) and torch.equal(mixed[3:33], bf[3:33])
-    assert torch.equal(mixed[33:], dec[33:])
-    lin8 = nn.Linear(96, 40, bias=False)  # an 8-bit layer (the head) takes q8bf16_linear
-    with torch.no_grad():
-        lin8.weight.copy_(q8_weight(40, 96, gen))
-    head = PackedLinear(lin8, kernel)
-    head.enable_bf16_decodes(PromptRows())
+    assert_rows_on_their_paths(layer, rows, x, dec, kernel.q4_linear(x, layer.q4, 50, layer.bias))
+    assert_prompt_rows_on_bf16_panels(kernel, layer, rows, x, dec)
+    head.enable_bf16_decodes(PromptRows())  # an 8-bit layer (the head) takes q8bf16_linear
     assert head.bf16_decodes and head.q8 is not None
     assert torch.equal(head.forward(x), kernel.q8bf16_linear(x, head.q8, 40))
     plain = PackedLinear(nn.Linear(64, 20), kernel)  # float32 panels: keeps its exact path

@@ -308,15 +308,29 @@ bool use_vnni() {
   return vnni && &isa() == &kAvx512Kernels;
 }
 
-// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x quantized
-// to int8 first (linear_isa_api.h).
-at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
+// A linear call on weight blocks, 4-bit or (q8) 8-bit: the blocks checked,
+// the call set up, and the bytes of one panel of them.
+struct BlocksCall {
+  LinearCall call;
+  int64_t P, K, pbytes;
+};
+
+BlocksCall blocks_call(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == block_bytes, name,
               ": blocks must be uint8 [P, K/32, ", block_bytes, "]");
-  const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
+  const int64_t P = blocks.size(0), K = blocks.size(1) * QB;
+  return {linear_call(name, x, P, K, N, bias, out), P, K, blocks.size(1) * block_bytes};
+}
+
+// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x quantized
+// to int8 first (linear_isa_api.h).
+at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out);
+  const LinearCall& call = bc.call;
+  const int64_t P = bc.P, K = bc.K, KB = K / QB, pbytes = bc.pbytes;
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -342,7 +356,6 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
   const Q4I8Rows k4 = vnni ? kQ4I8Vnni : isa().q4i8;
   const Q8I8Rows k8 = vnni ? kQ8I8Vnni : isa().q8i8;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t pbytes = KB * block_bytes;
   float* yp = y.data_ptr<float>();
   // Groups of panels as the VNNI kernels take them: up to 16 rows 4 at a time;
   // more rows decode 2 at a time, and tasks of 2 even out the two threads'
@@ -460,12 +473,10 @@ __attribute__((optimize("no-fast-math"))) void bf16_block_sums(const uint32_t* x
 // y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x rounded to bfloat16 first.
 at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
   TORCH_CHECK(q4bf16_supported(), name, ": this CPU lacks AVX512-BF16 or AVX512-VBMI");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == block_bytes, name,
-              ": blocks must be uint8 [P, K/32, ", block_bytes, "]");
-  const int64_t P = blocks.size(0), K = blocks.size(1) * QB, KB = K / QB;
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
+  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out);
+  const LinearCall& call = bc.call;
+  const int64_t P = bc.P, K = bc.K, KB = K / QB, pbytes = bc.pbytes;
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -480,7 +491,6 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
     if (!q8) bf16_block_sums(pp + begin * (K / 2), end - begin, K, sp + begin * KB);
   });
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t pbytes = KB * block_bytes;
   const float* bp = call.bp();
   float* yp = y.data_ptr<float>();
   const Q4Bf16Rows kernel = q8 ? kQ8Bf16 : kQ4Bf16;
