@@ -138,6 +138,10 @@ def q8_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
 RowRun = tuple[int, int, bool]
 
 
+# PackedLinear.forward_normed's and forward_silu's kernels, bound to a layer's blocks.
+FusedInputs = tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
 @dataclass
 class PromptRows:
     """This step's rows by path, shared by the layers whose prompt tokens
@@ -225,6 +229,7 @@ class PackedLinear(nn.Module):
         self.bf16_decodes = False  # enable_bf16_decodes: tokens not of a prompt on q4bf16_linear
         self.bias = linear.bias
         self.decode = self._bind_generated()
+        self._fused_inputs = self._bind_fused_inputs()
 
     def weight(self) -> torch.Tensor:
         """The float32 weight [N, K] the packed copies stand for."""
@@ -253,6 +258,7 @@ class PackedLinear(nn.Module):
         self.bf16_decodes = self.q4 is not None or self.q8 is not None
         self.prompt_rows = rows
         self.decode = self._bind_generated()
+        self._fused_inputs = self._bind_fused_inputs()
 
     def stored(self) -> dict[str, torch.Tensor]:
         """The packed copies by suffix ("", "#q4", "#q8"), to save and pass back."""
@@ -273,6 +279,35 @@ class PackedLinear(nn.Module):
         for lo, hi, prompt in runs:
             (self._prompt if prompt else self._generated)(x[lo:hi], out=y[lo:hi])
         return y
+
+    def forward_normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(kernel.rms_norm(x, weight, eps, residual)): with a residual,
+        residual += x first (in place) and the norm is of the sum.  Where the
+        rows are all generated tokens on the bfloat16 path, the kernel norms
+        each row as it rounds it: one call, no float32 copy between, the same
+        bits."""
+        fused = self._fused_inputs
+        if fused is not None and not (self.prompt_rows is not None and self.prompt_rows.runs):
+            return fused[0](x, weight, eps, residual)
+        return self.forward(self.kernel.rms_norm(x, weight, eps, residual))
+
+    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(kernel.silu_and_mul(gate_up)), fused as forward_normed is."""
+        fused = self._fused_inputs
+        if fused is not None and not (self.prompt_rows is not None and self.prompt_rows.runs):
+            return fused[1](gate_up)
+        return self.forward(self.kernel.silu_and_mul(gate_up))
+
+    def _bind_fused_inputs(self) -> FusedInputs | None:
+        """forward_normed's and forward_silu's kernels, bound once, on the
+        bfloat16 decode path only (None elsewhere)."""
+        blocks = self.q4 if self.q4 is not None else self.q8
+        if not self.bf16_decodes or blocks is None:
+            return None
+        kernel, n, bias = self.kernel, self.out_features, self.bias
+        return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),
+                lambda gate_up: kernel.bf16_rows_silu_linear(gate_up, blocks, n, bias))
 
     def _prompt(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.bf16 is not None:

@@ -159,7 +159,7 @@ class LlamaLayer(nn.Module):
         norm1, norm2, qkv_proj, o_proj, gate_up_proj, down_proj, q_norm, k_norm = (
             self._parts if self._parts is not None else self._gather_parts())
         s, t = self.spec, x.shape[0]
-        qkv = qkv_proj.forward(f.rms_norm(x, norm1.weight, norm1.eps))
+        qkv = _normed(qkv_proj, f, x, norm1)
         if q_norm is not None and k_norm is not None:  # per head, in place, ahead of rope
             for norm, lo, n in ((q_norm, 0, s.num_heads), (k_norm, self.q_size, s.num_kv_heads)):
                 part = qkv[:, lo:lo + n * s.head_dim]
@@ -169,9 +169,11 @@ class LlamaLayer(nn.Module):
         q, k = f.rope_and_store_kv(qkv, cos, sin, kv_cache, self.layer_idx, meta.slot_mapping,
                                    s.num_heads, s.num_kv_heads)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
-        # x += o_proj(o), then h = norm2(x)
-        h = f.rms_norm(o_proj.forward(o.reshape(t, self.q_size)), norm2.weight, norm2.eps, x)
-        return x.add_(down_proj.forward(f.silu_and_mul(gate_up_proj.forward(h))))
+        # x += o_proj(o), then gate_up_proj(norm2(x))
+        gate_up = _normed(gate_up_proj, f, o_proj.forward(o.reshape(t, self.q_size)), norm2, x)
+        if isinstance(down_proj, PackedLinear):
+            return x.add_(down_proj.forward_silu(gate_up))
+        return x.add_(down_proj.forward(f.silu_and_mul(gate_up)))
 
     def _gather_parts(self) -> tuple[Any, ...]:
         parts = self._parts = tuple(getattr(self, name) for name in _FUSED_PARTS)
@@ -181,6 +183,16 @@ class LlamaLayer(nn.Module):
         super().__setattr__(name, value)
         if name in _FUSED_PARTS:  # a submodule swapped (a LoRA wrapper): gathered again
             self.__dict__["_parts"] = None
+
+
+def _normed(proj: nn.Module, f: ModuleType, x: torch.Tensor, norm: RMSNorm,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """proj(f.rms_norm(x, norm's weight and eps, residual)); a packed projection
+    norms its rows itself where it can (PackedLinear.forward_normed), a
+    wrapped one (LoRA) takes them normed."""
+    if isinstance(proj, PackedLinear):
+        return proj.forward_normed(x, norm.weight, norm.eps, residual)
+    return proj.forward(f.rms_norm(x, norm.weight, norm.eps, residual))
 
 
 class LlamaForCausalLM(nn.Module):

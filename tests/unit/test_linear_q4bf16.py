@@ -134,3 +134,64 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     plain = PackedLinear(nn.Linear(64, 20), kernel)  # float32 panels: keeps its exact path
     plain.enable_bf16_decodes(PromptRows())
     assert not plain.bf16_decodes and plain.q4 is None and plain.q8 is None
+
+
+@needs_cpu
+@pytest.mark.parametrize("m", [1, 3, 5, 32, 193])
+@pytest.mark.parametrize("make_weight", [q4_weight, q8_weight])
+def test_fused_inputs_give_the_separate_calls_bits(kernel, m: int, make_weight) -> None:  # type: ignore[no-untyped-def]
+    """bf16_rows_norm_linear is q4bf16_linear / q8bf16_linear of rms_norm (its
+    residual updated the same way), bf16_rows_silu_linear of silu_and_mul: bit
+    for bit, at every row count, with and without a bias."""
+    w, blocks, x, b = product_case(kernel, make_weight, m, 96, 50, m * 10 + 5)
+    f = kernel.q4bf16_linear if make_weight is q4_weight else kernel.q8bf16_linear
+    gen = torch.Generator().manual_seed(m)
+    norm_w, stream = torch.randn(96, generator=gen), torch.randn(m, 96, generator=gen)
+    for bias in (None, b):
+        assert torch.equal(kernel.bf16_rows_norm_linear(x, blocks, 50, norm_w, 1e-5, bias=bias),
+                           f(kernel.rms_norm(x, norm_w, 1e-5), blocks, 50, bias))
+        fused_stream, separate_stream = stream.clone(), stream.clone()
+        fused = kernel.bf16_rows_norm_linear(x, blocks, 50, norm_w, 1e-6, fused_stream, bias)
+        separate = f(kernel.rms_norm(x, norm_w, 1e-6, separate_stream), blocks, 50, bias)
+        assert torch.equal(fused, separate) and torch.equal(fused_stream, separate_stream)
+        assert torch.equal(fused_stream, stream + x)  # the residual add happened, in place
+        gate_up = torch.randn(m, 192, generator=gen)
+        assert torch.equal(kernel.bf16_rows_silu_linear(gate_up, blocks, 50, bias),
+                           f(kernel.silu_and_mul(gate_up), blocks, 50, bias))
+
+
+@needs_cpu
+def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
+    blocks = q4_blocks(q4_weight(16, 64, torch.Generator().manual_seed(0)), kernel)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="bf16_rows_silu_linear: x has 64 features, want 128"):
+        kernel.bf16_rows_silu_linear(x, blocks, 16)
+    with pytest.raises(RuntimeError, match="bf16_rows_norm_linear: weight must be a contiguous float32"):
+        kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="bf16_rows_norm_linear: residual must be"):
+        kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
+
+
+@needs_cpu
+def test_packed_linear_fuses_only_on_its_bfloat16_decode_path(kernel) -> None:  # type: ignore[no-untyped-def]
+    """forward_normed / forward_silu equal forward after the separate call, on
+    every path: fused where every row is a generated token in bfloat16, the
+    separate calls where prompt rows are in the step or decodes are exact."""
+    layer, _ = packed_layers(kernel, torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    x, norm_w = torch.randn(9, 96, generator=gen), torch.randn(96, generator=gen)
+    gate_up = torch.randn(9, 192, generator=gen)
+    rows = PromptRows()
+
+    def check() -> None:
+        normed = kernel.rms_norm(x, norm_w, 1e-5)
+        assert torch.equal(layer.forward_normed(x, norm_w, 1e-5), layer.forward(normed))
+        assert torch.equal(layer.forward_silu(gate_up), layer.forward(kernel.silu_and_mul(gate_up)))
+
+    check()  # exact decodes: no fused kernel bound
+    assert layer._fused_inputs is None
+    layer.enable_bf16_decodes(rows)
+    assert layer._fused_inputs is not None
+    check()
+    rows.runs = ((0, 4, True), (4, 9, False))  # a prompt's rows in the step: the separate calls
+    check()

@@ -131,13 +131,17 @@ struct LinearCall {
   const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 };
 
+// width: x's features when they are not the weight's K (a prologue's input, 2 K for silu_mul).
 LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t K, int64_t N,
-                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
+                       int64_t width = 0) {
+  if (width == 0) width = K;
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
-  TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == width, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, ",
+              width == K ? "the weight " : "want ", width);
   TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
   LinearCall c;
-  c.x2 = x.reshape({-1, K}).contiguous();
+  c.x2 = x.reshape({-1, width}).contiguous();
   c.M = c.x2.size(0);
   c.sizes = x.sizes().vec();
   c.sizes.back() = N;
@@ -316,12 +320,13 @@ struct BlocksCall {
 };
 
 BlocksCall blocks_call(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
-                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
+                       int64_t widen = 1) {
   const int64_t block_bytes = q8 ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == block_bytes, name,
               ": blocks must be uint8 [P, K/32, ", block_bytes, "]");
   const int64_t P = blocks.size(0), K = blocks.size(1) * QB;
-  return {linear_call(name, x, P, K, N, bias, out), P, K, blocks.size(1) * block_bytes};
+  return {linear_call(name, x, P, K, N, bias, out, widen * K), P, K, blocks.size(1) * block_bytes};
 }
 
 // y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x quantized
@@ -470,11 +475,41 @@ __attribute__((optimize("no-fast-math"))) void bf16_block_sums(const uint32_t* x
   }
 }
 
-// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x rounded to bfloat16 first.
+// One row of rms_norm: o = w * (x * inv_rms(x)), after x += the row of the
+// residual (in place) when there is one.  Out of line, so that rms_norm and
+// the projections that norm their rows as they round them (RowPrologue) run
+// the same instructions: one result, fused or not.
+__attribute__((noinline)) void norm_row(const float* xr, float* rr, const float* w, int64_t H, float eps, float* o) {
+  if (rr) {
+    for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
+    xr = rr;
+  }
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) o[i] = w[i] * (xr[i] * inv);
+}
+
+// What a decode projection does to its rows before it rounds them to
+// bfloat16, in place of a separate kernel call and the float32 copy between:
+// rms_norm (with its residual add) ahead of the qkv and gate/up projections,
+// silu(gate) * up ahead of the down projection.  Either gives the bits the
+// separate call (rms_norm, silu_and_mul) would have.
+struct RowPrologue {
+  const float* norm_w = nullptr;  // rows normed with these weights (and eps)
+  float eps = 0.f;
+  float* residual = nullptr;  // with norm_w: residual += x first, the norm is of the sum
+  bool silu_mul = false;  // x is [M, 2 K]: gate, then up
+  bool any() const { return norm_w != nullptr || silu_mul; }
+};
+
+// y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x rounded to
+// bfloat16 first (after the prologue's norm or silu_mul, if any).
 at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
-                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
+                            const RowPrologue& pro = {}) {
   TORCH_CHECK(q4bf16_supported(), name, ": this CPU lacks AVX512-BF16 or AVX512-VBMI");
-  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out);
+  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out, pro.silu_mul ? 2 : 1);
   const LinearCall& call = bc.call;
   const int64_t P = bc.P, K = bc.K, KB = K / QB, pbytes = bc.pbytes;
   const at::Tensor &x2 = call.x2, &y = call.y;
@@ -485,9 +520,21 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
   uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
   float* sp = sums.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
+  const int64_t width = x2.size(1);
+  const SiluRows silu = isa().silu_mul;
   parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * (K / 2); i < end * (K / 2); ++i)
-      pp[i] = round_bits(xp[2 * i]) | (uint32_t{round_bits(xp[2 * i + 1])} << 16);
+    thread_local std::vector<float> in;  // a row after the prologue
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * width;
+      if (pro.any()) {
+        in.resize(static_cast<size_t>(K));
+        if (pro.silu_mul) silu(row, K, 1, in.data());
+        else norm_row(row, pro.residual ? pro.residual + t * K : nullptr, pro.norm_w, K, pro.eps, in.data());
+        row = in.data();
+      }
+      for (int64_t kp = 0; kp < K / 2; ++kp)
+        pp[t * (K / 2) + kp] = round_bits(row[2 * kp]) | (uint32_t{round_bits(row[2 * kp + 1])} << 16);
+    }
     if (!q8) bf16_block_sums(pp + begin * (K / 2), end - begin, K, sp + begin * KB);
   });
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
@@ -512,6 +559,36 @@ at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 at::Tensor q8bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   return bf16_rows_linear("q8bf16_linear", x, blocks, true, N, bias, out);
+}
+
+bool is_q8(const at::Tensor& blocks) { return blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES; }
+
+// q4bf16_linear or q8bf16_linear (by the blocks' size) of rms_norm(x, weight, eps, residual).
+at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& weight,
+                                 double eps, const c10::optional<at::Tensor>& residual,
+                                 const c10::optional<at::Tensor>& bias) {
+  const char* name = "bf16_rows_norm_linear";
+  const int64_t K = blocks.dim() == 3 ? blocks.size(1) * QB : 0;
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == K, name,
+              ": weight must be a contiguous float32 [", K, "]");
+  RowPrologue pro;
+  pro.norm_w = weight.data_ptr<float>();
+  pro.eps = static_cast<float>(eps);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
+                    residual->numel() == x.numel() && x.size(-1) == K,
+                name, ": residual must be a contiguous float32 like x");
+    pro.residual = residual->data_ptr<float>();
+  }
+  return bf16_rows_linear(name, x, blocks, is_q8(blocks), N, bias, c10::nullopt, pro);
+}
+
+// q4bf16_linear or q8bf16_linear of silu_and_mul(gate_up): gate_up is [.., 2 K].
+at::Tensor bf16_rows_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N,
+                                 const c10::optional<at::Tensor>& bias) {
+  RowPrologue pro;
+  pro.silu_mul = true;
+  return bf16_rows_linear("bf16_rows_silu_linear", gate_up, blocks, is_q8(blocks), N, bias, c10::nullopt, pro);
 }
 
 std::string isa_name() { return isa().name; }
@@ -557,19 +634,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   parallel_claim(T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* xr = xp + t * H;
-      float* rr = res ? res + t * H : nullptr;
-      if (rr) {
-        for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
-        xr = rr;
-      }
-      float ss = 0.f;
-      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
-      float* o = op + t * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (xr[i] * inv);
-    }
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * H, res ? res + t * H : nullptr, wp, H, feps, op + t * H);
   });
   return out;
 }
@@ -753,6 +818,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) with W as exact 4-bit blocks and x rounded to bfloat16 (float32 sums)");
   def_linear("q8bf16_linear", &q8bf16_linear, "blocks",
         "x @ W.T (+ bias) with W as exact 8-bit blocks and x rounded to bfloat16 (float32 sums)");
+  m.def("bf16_rows_norm_linear", &bf16_rows_norm_linear, nogil(),
+        "q4bf16_linear / q8bf16_linear (by the blocks) of rms_norm(x, weight, eps, residual), normed as rounded",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("residual") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_rows_silu_linear", &bf16_rows_silu_linear, nogil(),
+        "q4bf16_linear / q8bf16_linear (by the blocks) of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
+        pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");
   m.def("supported_isas", &supported_isas, "the instruction sets this CPU runs");
