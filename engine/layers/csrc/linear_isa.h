@@ -448,6 +448,8 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
     const float* ti = t + i * NR;
     if (bias) {
       for (int64_t j = 0; j < cols; ++j) out[j] = ti[j] + bias[col0 + j];
+    } else if (cols == NR) {  // a whole panel: a fixed-size copy the compiler inlines (no libc call a row)
+      std::memcpy(out, ti, NR * sizeof(float));
     } else {
       std::memcpy(out, ti, cols * sizeof(float));
     }
