@@ -527,7 +527,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
     for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
 
   parallel_claim(T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), scores(Hq * bs), kv_f(bs * Hkv * D);
+    // Scratch kept by each thread across pieces and calls (a piece is one task:
+    // fresh vectors were an allocation and 13 KB of zeroing each, 1% of a step).
+    thread_local std::vector<float> qf, scores, kv_f;
+    qf.resize(Hq * D);
+    scores.resize(Hq * bs);
+    kv_f.resize(bs * Hkv * D);
     int64_t qb = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task_seq[task];
