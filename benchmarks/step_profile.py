@@ -74,7 +74,9 @@ def instrument(llm: LLM, clock: Clock) -> None:
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             mod = getattr(layer, name)
-            clock.wrap(mod, "forward", "projections")
+            for method in ("forward", "forward_normed", "forward_silu"):  # the last two: packed layers
+                if hasattr(mod, method):
+                    clock.wrap(mod, method, "projections")
 
 
 def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int, cpu_time: bool) -> None:
