@@ -170,6 +170,9 @@ def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-unt
         kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(63), 1e-5)
     with pytest.raises(RuntimeError, match="bf16_rows_norm_linear: residual must be"):
         kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
+    bad_blocks = r"bf16_rows_norm_linear: blocks must be uint8 \[P, K/32, 384\] \(4-bit\)"
+    with pytest.raises(RuntimeError, match=bad_blocks):
+        kernel.bf16_rows_norm_linear(x, blocks[:, :, :100], 16, torch.ones(64), 1e-5)
 
 
 @needs_cpu

@@ -32,6 +32,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "linear_isa_api.h"
@@ -561,14 +562,21 @@ at::Tensor q8bf16_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return bf16_rows_linear("q8bf16_linear", x, blocks, true, N, bias, out);
 }
 
-bool is_q8(const at::Tensor& blocks) { return blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES; }
+// Whether blocks are 8-bit (else 4-bit), for the calls that take either; their K.
+std::pair<bool, int64_t> blocks_kind(const char* name, const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
+                  (blocks.size(2) == Q4_BLOCK_BYTES || blocks.size(2) == Q8_BLOCK_BYTES),
+              name, ": blocks must be uint8 [P, K/32, ", Q4_BLOCK_BYTES, "] (4-bit) or [P, K/32, ", Q8_BLOCK_BYTES,
+              "] (8-bit)");
+  return {blocks.size(2) == Q8_BLOCK_BYTES, blocks.size(1) * QB};
+}
 
 // q4bf16_linear or q8bf16_linear (by the blocks' size) of rms_norm(x, weight, eps, residual).
 at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual,
                                  const c10::optional<at::Tensor>& bias) {
   const char* name = "bf16_rows_norm_linear";
-  const int64_t K = blocks.dim() == 3 ? blocks.size(1) * QB : 0;
+  const auto [q8, K] = blocks_kind(name, blocks);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == K, name,
               ": weight must be a contiguous float32 [", K, "]");
   RowPrologue pro;
@@ -576,19 +584,20 @@ at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, 
   pro.eps = static_cast<float>(eps);
   if (residual.has_value() && residual->defined()) {
     TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
-                    residual->numel() == x.numel() && x.size(-1) == K,
+                    residual->numel() == x.numel() && x.dim() >= 1 && x.size(-1) == K,
                 name, ": residual must be a contiguous float32 like x");
     pro.residual = residual->data_ptr<float>();
   }
-  return bf16_rows_linear(name, x, blocks, is_q8(blocks), N, bias, c10::nullopt, pro);
+  return bf16_rows_linear(name, x, blocks, q8, N, bias, c10::nullopt, pro);
 }
 
 // q4bf16_linear or q8bf16_linear of silu_and_mul(gate_up): gate_up is [.., 2 K].
 at::Tensor bf16_rows_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N,
                                  const c10::optional<at::Tensor>& bias) {
+  const char* name = "bf16_rows_silu_linear";
   RowPrologue pro;
   pro.silu_mul = true;
-  return bf16_rows_linear("bf16_rows_silu_linear", gate_up, blocks, is_q8(blocks), N, bias, c10::nullopt, pro);
+  return bf16_rows_linear(name, gate_up, blocks, blocks_kind(name, blocks).first, N, bias, c10::nullopt, pro);
 }
 
 std::string isa_name() { return isa().name; }
