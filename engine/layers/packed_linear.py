@@ -287,17 +287,23 @@ class PackedLinear(nn.Module):
         rows are all generated tokens on the bfloat16 path, the kernel norms
         each row as it rounds it: one call, no float32 copy between, the same
         bits."""
-        fused = self._fused_inputs
-        if fused is not None and not (self.prompt_rows is not None and self.prompt_rows.runs):
+        fused = self._fused_now()
+        if fused is not None:
             return fused[0](x, weight, eps, residual)
         return self.forward(self.kernel.rms_norm(x, weight, eps, residual))
 
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(kernel.silu_and_mul(gate_up)), fused as forward_normed is."""
-        fused = self._fused_inputs
-        if fused is not None and not (self.prompt_rows is not None and self.prompt_rows.runs):
+        fused = self._fused_now()
+        if fused is not None:
             return fused[1](gate_up)
         return self.forward(self.kernel.silu_and_mul(gate_up))
+
+    def _fused_now(self) -> FusedInputs | None:
+        """The fused kernels where this step's rows are all generated tokens
+        (forward's decode path), else None."""
+        rows = self.prompt_rows
+        return None if rows is not None and rows.runs else self._fused_inputs
 
     def _bind_fused_inputs(self) -> FusedInputs | None:
         """forward_normed's and forward_silu's kernels, bound once, on the
