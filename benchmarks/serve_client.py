@@ -1,5 +1,6 @@
 """The load generator of `splitserve bench serve`: streams requests to any
-OpenAI-compatible server over httpx, on schedule, and times every chunk."""
+OpenAI-compatible server (benchmarks/http_stream.py), on schedule, and times
+every chunk."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
+from urllib.parse import urlsplit
 
+from benchmarks.http_stream import StreamClient
 from benchmarks.serve_stats import RequestResult, chunk_token_counts, spread_token_times
 from benchmarks.serve_workloads import BenchRequest
-
-if TYPE_CHECKING:
-    import httpx
 
 DONE = "[DONE]"
 
@@ -117,30 +117,39 @@ class ResponseTimer:
                              token_times=times)
 
 
-async def send_one(client: httpx.AsyncClient, target: Target, req: BenchRequest,
-                   t0: float) -> RequestResult:
+async def send_one(client: StreamClient, target: Target, req: BenchRequest, t0: float,
+                   timeout: float) -> RequestResult:
     """One streamed request; times are seconds after its start."""
     timer = ResponseTimer(target.chat)
     start = time.perf_counter()
     try:
-        async with client.stream("POST", target.url, json=request_body(target, req)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                timer.error = f"HTTP {resp.status_code}: {body[:200]}"
-            else:
-                decoder = SSEDecoder()
-                live = True
-                async for line in resp.aiter_lines():
-                    for data in decoder.feed(line):
-                        live = live and timer.on_event(data, time.perf_counter() - start)
-                    if not live:
-                        break
-                for data in decoder.close() if live else ():  # no blank line after the last event
-                    timer.on_event(data, time.perf_counter() - start)
+        await asyncio.wait_for(_stream_one(client, target, req, timer, start), timeout)
+    except asyncio.TimeoutError:
+        timer.error = f"no complete response within {timeout:g} s"
     except Exception as e:  # a failed request is a result, not a crash
         timer.error = f"{type(e).__name__}: {e}"
     end = time.perf_counter() - start
     return timer.result(req.group, start - t0, end)
+
+
+async def _stream_one(client: StreamClient, target: Target, req: BenchRequest,
+                      timer: ResponseTimer, start: float) -> None:
+    u = urlsplit(target.url)
+    resp = await client.post(u.path + (f"?{u.query}" if u.query else ""), request_body(target, req))
+    try:
+        if resp.status != 200:
+            body = (await resp.read()).decode(errors="replace")
+            timer.error = f"HTTP {resp.status}: {body[:200]}"
+            return
+        decoder = SSEDecoder()
+        async for line in resp.lines():
+            for data in decoder.feed(line):
+                if not timer.on_event(data, time.perf_counter() - start):
+                    return  # [DONE] or an error: the rest is not read (the connection is dropped)
+        for data in decoder.close():  # no blank line after the last event
+            timer.on_event(data, time.perf_counter() - start)
+    finally:
+        resp.close()
 
 
 def render_progress(done: int, total: int, failed: int, elapsed: float, width: int = 30) -> str:
@@ -185,26 +194,20 @@ def auth_headers() -> dict[str, str]:
 
 
 async def run_requests(target: Target, requests: list[BenchRequest], concurrency: int | None,
-                       timeout: float, progress: Progress,
-                       transport: httpx.AsyncBaseTransport | None = None,
-                       ) -> tuple[list[RequestResult], float]:
+                       timeout: float, progress: Progress) -> tuple[list[RequestResult], float]:
     """Send each request at its arrival time (seconds after the start), with at
     most `concurrency` in flight (a request waits for a slot past its time).
     Returns the results in request order and the run's duration (the start to
     the last response)."""
-    import httpx
-
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time or 0.0)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     results: list[RequestResult | None] = [None] * len(requests)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, transport=transport,
-                               headers=auth_headers())
-    async with client:
+    client = StreamClient(target.url, headers=auth_headers(), max_idle=concurrency or 100)
+    try:
 
         async def one(i: int, t0: float) -> None:
             try:
-                results[i] = r = await send_one(client, target, requests[i], t0)
+                results[i] = r = await send_one(client, target, requests[i], t0, timeout)
                 progress.update(r.ok)
             finally:
                 if slots is not None:
@@ -220,6 +223,8 @@ async def run_requests(target: Target, requests: list[BenchRequest], concurrency
                 await slots.acquire()
             tasks.append(asyncio.create_task(one(i, t0)))
         await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
     duration = max((r.start + r.e2e for r in results if r is not None), default=0.0)
     progress.close()
     return [r for r in results if r is not None], duration

@@ -1,6 +1,6 @@
 """`splitserve bench serve`'s pure parts: workloads, SSE parsing, per-token
-timing, percentiles and goodput, and the dispatcher against an in-process
-fake server.  No model, no sockets."""
+timing, percentiles and goodput, and the dispatcher against a small HTTP/1.1
+server on a local socket (tests/unit/http_sse_server.py).  No model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import random
 from collections.abc import AsyncIterator
 
-import httpx
 import numpy as np
 import pytest
 
@@ -42,6 +41,7 @@ from benchmarks.serve_workloads import (
     shared_prefix_workload,
     with_arrivals,
 )
+from tests.unit.http_sse_server import serve_sse
 
 # -- workloads ------------------------------------------------------------------------
 
@@ -267,35 +267,37 @@ def test_progress() -> None:
 # -- the dispatcher, against a fake streaming server -------------------------------------
 
 
-def fake_server(delay: float, in_flight: list[int]) -> httpx.MockTransport:
-    """Streams one chunk per requested token, `delay` apart; records how many
-    requests are in flight at each start."""
+def fake_completions(delay: float, in_flight: list[int]):  # type: ignore[no-untyped-def]
+    """A completions handler for serve_sse: one chunk per requested token,
+    `delay` apart; records how many requests are in flight at each start."""
     live = [0]
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def handler(body: dict) -> AsyncIterator[bytes]:  # type: ignore[type-arg]
         live[0] += 1
         in_flight.append(live[0])
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(delay)
+            yield f"data: {chunk('w')}\n\n".encode()
+        live[0] -= 1  # before the last event: the client closes the stream on [DONE]
+        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": body["max_tokens"]}
+        yield f"data: {chunk(None, usage=usage)}\n\ndata: [DONE]\n\n".encode()
 
-        async def stream() -> AsyncIterator[bytes]:
-            for _ in range(body["max_tokens"]):
-                await asyncio.sleep(delay)
-                yield f"data: {chunk('w')}\n\n".encode()
-            live[0] -= 1  # before the last event: the client closes the stream on [DONE]
-            usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": body["max_tokens"]}
-            yield f"data: {chunk(None, usage=usage)}\n\ndata: [DONE]\n\n".encode()
+    return handler
 
-        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
 
-    return httpx.MockTransport(handler)
+def run_against(handler, reqs: list[BenchRequest], concurrency: int | None):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        async with serve_sse(handler) as url:
+            return await run_requests(Target(f"{url}/v1/completions", "m", chat=False), reqs,
+                                      concurrency=concurrency, timeout=10,
+                                      progress=Progress(len(reqs), enabled=False))
+    return asyncio.run(main())
 
 
 def test_run_requests_honors_concurrency_and_counts_tokens() -> None:
     in_flight: list[int] = []
     reqs = [BenchRequest(f"p {i}", 3, 0.0) for i in range(6)]
-    results, duration = asyncio.run(run_requests(
-        Target("http://fake/v1/completions", "m", chat=False), reqs, concurrency=2, timeout=10,
-        progress=Progress(6, enabled=False), transport=fake_server(0.01, in_flight)))
+    results, duration = run_against(fake_completions(0.01, in_flight), reqs, concurrency=2)
     assert max(in_flight) == 2 and len(in_flight) == 6
     assert all(r.ok and r.output_tokens == 3 and r.prompt_tokens == 2 for r in results)
     assert all(len(r.itls) == 2 and r.ttft > 0 for r in results)
@@ -304,9 +306,7 @@ def test_run_requests_honors_concurrency_and_counts_tokens() -> None:
 
 def test_run_requests_sends_at_arrival_times() -> None:
     reqs = [BenchRequest("late", 1, 0.2), BenchRequest("early", 1, 0.0)]
-    results, _ = asyncio.run(run_requests(
-        Target("http://fake/v1/completions", "m", chat=False), reqs, concurrency=None, timeout=10,
-        progress=Progress(2, enabled=False), transport=fake_server(0.0, [])))
+    results, _ = run_against(fake_completions(0.0, []), reqs, concurrency=None)
     assert results[1].start < 0.1 and results[0].start >= 0.19  # results in request order
 
 
