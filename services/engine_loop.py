@@ -24,6 +24,7 @@ from engine.outputs import StepOutput
 from engine.request import RequestStatus
 from engine.vocab.cache_events import CacheEvent
 from services.fault_hooks import FaultHooks
+from services.sched_policy import name_this_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,6 +138,7 @@ class EngineLoop:
             q.put_nowait(err)
 
     def _main(self) -> None:
+        name_this_thread("ss-engine")  # beside the kernels' "ss-kernel" threads
         try:
             self._run()
         except BaseException as e:  # noqa: BLE001 - the thread's death is reported, never silent

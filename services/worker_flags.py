@@ -25,6 +25,7 @@ from engine.config import (
 from services.cluster_auth import add_cluster_token_arg
 from services.help_format import add_host_arg
 from services.lora_flags import add_lora_args, lora_kwargs
+from services.sched_policy import add_serving_sched_arg
 from services.speculative_flags import add_speculative_args, speculative_config_from_args
 from services.tracing import add_tracing_args
 
@@ -108,6 +109,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     add_host_arg(g, "the worker (gRPC and UCX)")
     g.add_argument("--grpc-port", type=int, default=0, help="0: pick a free port")
     g.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: pick a free port)")
+    add_serving_sched_arg(g)
     g.add_argument("--worker-id", default=None,
                    help="name in logs, metrics and /cluster (default: role-host-pid)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")

@@ -26,6 +26,7 @@ from services.cluster_auth import cluster_token, server_interceptors, warn_if_op
 from services.engine_loop import EngineLoop
 from services.fault_hooks import load_fault_hooks
 from services.peers import KnownPeers
+from services.sched_policy import serve_behind_compute
 from services.tracing import Tracing
 from services.worker_flags import advertise_host, peer_role, worker_engine_config
 from services.worker_metrics import WorkerMetrics, start_metrics_server
@@ -66,6 +67,9 @@ def run_worker(args: argparse.Namespace, role: str, make_servicer: MakeServicer,
         engine = LLMEngine(config)
         loop = EngineLoop(engine, asyncio.get_running_loop(), faults=faults)
         loop.start()
+        # The engine thread (and the kernel threads it starts) keep the default
+        # policy; this thread and those it starts from here on (gRPC, UCX) serve behind them.
+        serve_behind_compute(args.serving_sched)
         transport = await start_transport(engine, args)
         if faults.kv_send is not None:
             transport.fault = faults.kv_send

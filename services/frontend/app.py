@@ -25,6 +25,7 @@ from services.frontend.router import LoadRouter, Router
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.worker_pool import WorkerPool
 from services.index import open_index
+from services.sched_policy import serve_behind_compute
 from services.tracing import Tracing
 
 log = logging.getLogger("splitserve.frontend")
@@ -43,6 +44,8 @@ class _Uvicorn(uvicorn.Server):
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (main thread) or until `stop` is set."""
     stop = stop or asyncio.Event()
+    # Before the tokenizer, uvicorn and gRPC start their threads: they inherit it.
+    serve_behind_compute(config.serving_sched)
     if threading.current_thread() is threading.main_thread():
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

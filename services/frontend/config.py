@@ -13,6 +13,7 @@ from services.cluster_auth import add_cluster_token_arg, cluster_token
 from services.frontend.tool_parsers import PARSERS
 from services.help_format import DefaultsHelpFormatter, add_host_arg
 from services.lora_flags import add_lora_args, lora_config_from_args
+from services.sched_policy import add_serving_sched_arg
 from services.secret_env import secret_from_env
 from services.tracing import add_tracing_args
 
@@ -71,6 +72,7 @@ class FrontendConfig:
     cache_isolation: str = "none"  # none | tenant
     tool_call_parser: str = "hermes"  # how tool calls are read out of chat output (tool_parsers.PARSERS)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters served by name
+    serving_sched: str = "batch"  # services/sched_policy.py
 
     def __post_init__(self) -> None:
         if not self.decode and (self.prefill or self.redis_url is None):
@@ -206,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hermes / Qwen) or llama3_json (Llama 3 JSON); default: %(default)s")
     add_lora_args(p)
     add_tracing_args(p)
+    add_serving_sched_arg(p)
     return p
 
 
@@ -238,4 +241,5 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         max_prompts=args.max_prompts, max_choices=args.max_choices, max_prompt_chars=args.max_prompt_chars,
         api_keys=api_keys(args.api_key, os.environ if env is None else env), tls_cert=args.tls_cert,
         tls_key=args.tls_key, cache_isolation=args.cache_isolation, cluster_token=cluster_token(args),
-        tool_call_parser=args.tool_call_parser, lora=lora_config_from_args(args))
+        tool_call_parser=args.tool_call_parser, lora=lora_config_from_args(args),
+        serving_sched=args.serving_sched)

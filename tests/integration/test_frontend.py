@@ -605,3 +605,14 @@ def test_every_way_a_request_ends_gives_every_block_back(stack) -> None:  # type
     assert all(w["kv_transfers_pending"] == 0 for w in workers(fe).values())
     ok = httpx.post(completions, json={"model": MODEL, "prompt": "still there?", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_frontend_serves_behind_compute(stack) -> None:  # type: ignore[no-untyped-def]
+    # The frontend's threads (event loop, uvicorn, gRPC, the tokenizer's) run
+    # under SCHED_BATCH: on a shared machine they wait for a free core instead
+    # of preempting a worker's compute thread (services/sched_policy.py).
+    fe = stack[0]
+    pid = fe.popen.pid
+    assert os.sched_getscheduler(pid) == os.SCHED_BATCH  # the main thread's TID is the pid
+    policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    assert policies == {os.SCHED_BATCH}

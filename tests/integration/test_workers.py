@@ -4,6 +4,8 @@ really crosses (decode computes no prompt token of a remote-prefilled request)."
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
@@ -117,3 +119,35 @@ def test_bad_sampling_is_invalid_argument_and_worker_keeps_serving(workers, offl
     ids = offline.tokenizer.encode(PROMPTS[0])
     assert [t for c in generate(d0.address, p0.address, "after", ids, GREEDY) for t in c.token_ids] == \
         offline.generate(ids, GREEDY)[0].outputs[0].token_ids
+
+
+def thread_policies(pid: int) -> dict[int, tuple[str, int]]:
+    """TID -> (name, scheduling policy) of every thread of process `pid`."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                out[int(tid)] = (f.read().strip(), os.sched_getscheduler(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def test_serving_threads_run_behind_the_engine(workers, offline) -> None:  # type: ignore[no-untyped-def]
+    # After a request has run (the kernels' own threads exist), each worker's
+    # engine thread and kernel threads keep the default policy; its main
+    # thread (the event loop) and the threads it started after the engine
+    # (gRPC, UCX) run under SCHED_BATCH (services/sched_policy.py).
+    p0, d0 = workers
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    assert generate(d0.address, p0.address, "sched", ids, GREEDY)
+    for proc in (p0, d0):
+        pid = proc.popen.pid
+        threads = thread_policies(pid)
+        names = [n for n, _ in threads.values()]
+        assert names.count("ss-engine") == 1, threads
+        compute = {t: p for t, (n, p) in threads.items() if n in ("ss-engine", "ss-kernel")}
+        assert set(compute.values()) == {os.SCHED_OTHER}, threads
+        assert threads[pid][1] == os.SCHED_BATCH, threads  # the main thread: the event loop
+        serving = [t for t, (n, p) in threads.items() if t not in compute and p == os.SCHED_BATCH]
+        assert len(serving) >= 3, threads  # the loop, and the gRPC and UCX threads it started
