@@ -62,10 +62,10 @@ class StreamResponse:
                     raise HTTPStreamError("connection closed inside the body")
                 self._left -= len(data)
                 yield data
-        else:  # to the connection's end
+        else:  # to the connection's end, which cannot carry another request
+            self.headers["connection"] = "close"
             while data := await reader.read(65536):
                 yield data
-            self._client.discard(self._conn)
         self._done = True
 
     async def lines(self) -> AsyncIterator[str]:
