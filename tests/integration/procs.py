@@ -292,3 +292,15 @@ def start_all(streams: Iterable[Stream]) -> list[Stream]:
     for s in started:
         s.start()
     return started
+
+
+def thread_policies(pid: int) -> dict[int, tuple[str, int]]:
+    """TID -> (name, scheduling policy) of every thread of process `pid`."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                out[int(tid)] = (f.read().strip(), os.sched_getscheduler(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return out

@@ -26,7 +26,7 @@ from protos import pb, pb_grpc
 from services.frontend.tokenizer import Tokenizer
 
 from . import forkserver
-from .procs import free_port, start_pair
+from .procs import free_port, start_pair, thread_policies
 
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 64  # prompts at least this long are prefilled on the prefill worker (SHORT: 37 tokens)
@@ -613,6 +613,6 @@ def test_frontend_serves_behind_compute(stack) -> None:  # type: ignore[no-untyp
     # of preempting a worker's compute thread (services/sched_policy.py).
     fe = stack[0]
     pid = fe.popen.pid
-    assert os.sched_getscheduler(pid) == os.SCHED_BATCH  # the main thread's TID is the pid
-    policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
-    assert policies == {os.SCHED_BATCH}
+    threads = thread_policies(pid)
+    assert threads[pid][1] == os.SCHED_BATCH  # the main thread's TID is the pid
+    assert {p for _, p in threads.values()} == {os.SCHED_BATCH}, threads

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from protos import pb, pb_grpc
 from services.convert import sampling_to_proto
 
-from .procs import start_pair, stop_all
+from .procs import start_pair, stop_all, thread_policies
 
 THRESHOLD = 32
 PROMPTS = [
@@ -119,18 +119,6 @@ def test_bad_sampling_is_invalid_argument_and_worker_keeps_serving(workers, offl
     ids = offline.tokenizer.encode(PROMPTS[0])
     assert [t for c in generate(d0.address, p0.address, "after", ids, GREEDY) for t in c.token_ids] == \
         offline.generate(ids, GREEDY)[0].outputs[0].token_ids
-
-
-def thread_policies(pid: int) -> dict[int, tuple[str, int]]:
-    """TID -> (name, scheduling policy) of every thread of process `pid`."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                out[int(tid)] = (f.read().strip(), os.sched_getscheduler(int(tid)))
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            pass
-    return out
 
 
 def test_serving_threads_run_behind_the_engine(workers, offline) -> None:  # type: ignore[no-untyped-def]
