@@ -85,6 +85,7 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token
         self._refuse_unary = grpc.unary_unary_rpc_method_handler(_refuse)
         self._refuse_stream = grpc.unary_stream_rpc_method_handler(_refuse_streaming)
+        self._refuse_bidi = grpc.stream_stream_rpc_method_handler(_refuse_streaming)
         self.num_refused = 0
 
     async def intercept_service(
@@ -97,6 +98,8 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         self.num_refused += 1
         handler = await continuation(details)
+        if handler is not None and handler.request_streaming:
+            return self._refuse_bidi
         if handler is not None and handler.response_streaming:
             return self._refuse_stream
         return self._refuse_unary
@@ -143,11 +146,19 @@ class _AioStreamToken(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_token(details, self._token), request)
 
 
+class _AioBidiToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(_with_token(details, self._token), request_iterator)
+
+
 def aio_channel(address: str, token: str | None,
                 options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """A channel to a worker whose every call carries the cluster token (when there is one)."""
     interceptors: list[grpc.aio.ClientInterceptor] | None = (
-        [_AioUnaryToken(token), _AioStreamToken(token)] if token else None)
+        [_AioUnaryToken(token), _AioStreamToken(token), _AioBidiToken(token)] if token else None)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

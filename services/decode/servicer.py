@@ -16,6 +16,7 @@ from protos import pb, pb_grpc
 from services.cluster_auth import aio_channel
 from services.convert import logprobs_to_proto, lora_from_proto, prompt_logprobs_to_proto
 from services.decode.remote_prefill import RemotePrefill, RemotePrefillFailed, ReserveTimeout
+from services.decode.session import GenerateSession
 from services.decode.stats import DecodeStats
 from services.peers import KnownPeers
 from services.worker import WorkerRPCs, WorkerState, abort_with, request_sampling
@@ -122,6 +123,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
             if not finished:  # client went away, deadline, or error: free everything
                 await self.transport.cancel(request_id)
                 await loop.call(lambda e: e.abort(request_id))
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> None:
+        """Many Generate streams over one call (services/decode/session.py)."""
+        await GenerateSession(self.Generate, context).run(request_iterator)
 
     def _response(self, out: StepOutput, remote: bool, timings: dict[str, float],
                   prompt_ids: list[int]) -> pb.WorkerGenerateResponse:

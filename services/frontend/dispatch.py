@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -209,7 +209,7 @@ class Dispatcher:
         if prefill is not None:
             prefill.inflight += 1
             prefill.inflight_prompt_tokens += prefill_tokens
-        call = decode.stub.Generate(request, metadata=trace.metadata() if trace is not None else None)
+        call = decode.streams.open(request, trace.metadata() if trace is not None else None)
         finished = False
         try:
             async for msg in _watched(call, decode):
@@ -243,8 +243,7 @@ class Dispatcher:
 _WATCH_S = 1.0  # how often a quiet stream checks that its worker still reports
 
 
-async def _watched(call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
-                   decode: Worker) -> AsyncIterator[pb.WorkerGenerateResponse]:
+async def _watched(call: Any, decode: Worker) -> AsyncIterator[pb.WorkerGenerateResponse]:
     """The call's messages; if its worker stops answering (no message, and its
     load reports have stopped too), fail the call instead of waiting forever.
     A long prefill is quiet too, but its worker keeps reporting.  A watchdog

@@ -18,6 +18,7 @@ from protos import pb, pb_grpc
 from services.aio_tasks import cancel_and_wait
 from services.cluster_auth import aio_channel
 from services.frontend.router import WorkerLoad
+from services.frontend.worker_session import DecodeStreams
 from services.index.base import IndexUnavailable, PrefixIndex
 from services.index.embedded import EmbeddedPrefixIndex
 
@@ -51,6 +52,7 @@ class Worker:
         self.channel = aio_channel(address, cluster_token, options=_CHANNEL_OPTIONS)
         self.stub: Any = (pb_grpc.DecodeStub(self.channel) if role == "decode"
                           else pb_grpc.PrefillStub(self.channel))
+        self.streams = DecodeStreams(self.stub)  # a decode worker's requests, on one Session call
         self.info: pb.WorkerInfo | None = None
         self.load: pb.LoadReport | None = None
         self.last_report = 0.0
@@ -118,6 +120,7 @@ class Worker:
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
+        self.streams.close()
         await self.channel.close(grace=None)
 
     async def _watch(self) -> None:

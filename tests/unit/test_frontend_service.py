@@ -22,6 +22,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from protos import pb, pb_grpc
+from services.decode.session import GenerateSession
 from services.frontend.app import serve
 from services.frontend.config import FrontendConfig
 from services.ports import free_port
@@ -99,6 +100,9 @@ class FakeDecode(pb_grpc.DecodeServicer):
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
+
+    async def Session(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
+        await GenerateSession(self.Generate, context).run(request_iterator)  # the real session over the fake
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
         return pb.AbortResponse(found=False)
