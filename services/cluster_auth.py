@@ -85,7 +85,6 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token
         self._refuse_unary = grpc.unary_unary_rpc_method_handler(_refuse)
         self._refuse_stream = grpc.unary_stream_rpc_method_handler(_refuse_streaming)
-        self._refuse_bidi = grpc.stream_stream_rpc_method_handler(_refuse_streaming)
         self.num_refused = 0
 
     async def intercept_service(
@@ -98,8 +97,6 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         self.num_refused += 1
         handler = await continuation(details)
-        if handler is not None and handler.request_streaming:
-            return self._refuse_bidi
         if handler is not None and handler.response_streaming:
             return self._refuse_stream
         return self._refuse_unary

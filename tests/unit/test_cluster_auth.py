@@ -1,5 +1,5 @@
 """The cluster token on worker RPCs, in process: the server interceptor refuses
-unary and streaming calls without it (health stays open), and both client
+unary, streaming and bidirectional calls without it (health stays open), and both client
 helpers attach it to both kinds of call.  (A grpc.aio interceptor object of
 two kinds is filed under one only: its streaming calls once went bare.)"""
 
@@ -38,6 +38,11 @@ class Worker(pb_grpc.DecodeServicer):
         for i in range(2):
             yield pb.LoadReport(running=i)
 
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
+        async for req in request_iterator:  # each start answered with its id
+            yield pb.SessionResponse(items=[pb.SessionItem(request_id=req.start.request.request_id)])
+
 
 async def serve() -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server(interceptors=server_interceptors(TOKEN))
@@ -50,7 +55,7 @@ async def serve() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def codes(address: str, token: str | None) -> tuple[object, object]:
+async def codes(address: str, token: str | None) -> tuple[object, object, object]:
     async with aio_channel(address, token) as ch:
         stub = pb_grpc.DecodeStub(ch)
         try:
@@ -61,17 +66,25 @@ async def codes(address: str, token: str | None) -> tuple[object, object]:
             stream: object = [r.running async for r in stub.WatchLoad(pb.LoadRequest(), timeout=5)]
         except grpc.aio.AioRpcError as e:
             stream = e.code()
-    return unary, stream
+        call = stub.Session(timeout=5)
+        try:
+            await call.write(pb.SessionRequest(start=pb.SessionStart(request=pb.WorkerGenerateRequest(
+                request_id="r1"))))
+            bidi: object = [i.request_id for i in (await call.read()).items]
+        except grpc.aio.AioRpcError as e:
+            bidi = e.code()
+        call.cancel()
+    return unary, stream, bidi
 
 
 def test_token_on_unary_and_streaming_calls() -> None:
     async def run() -> None:
         server, address = await serve()
         try:
-            assert await codes(address, TOKEN) == ("decode", [0, 1])
+            assert await codes(address, TOKEN) == ("decode", [0, 1], ["r1"])
             refused = grpc.StatusCode.UNAUTHENTICATED
-            assert await codes(address, None) == (refused, refused)
-            assert await codes(address, "unit-toke") == (refused, refused)
+            assert await codes(address, None) == (refused, refused, refused)
+            assert await codes(address, "unit-toke") == (refused, refused, refused)
             async with grpc.aio.insecure_channel(address) as ch:  # probes need no secret
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
