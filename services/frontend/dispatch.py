@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,6 +24,7 @@ from services.frontend.prepare import Plan
 from services.frontend.results import Event
 from services.frontend.router import Route, Router, RouteRequest
 from services.frontend.worker_pool import Worker, WorkerPool
+from services.frontend.worker_session import WorkerStream
 from services.tracing import now_ns
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ class Dispatcher:
 _WATCH_S = 1.0  # how often a quiet stream checks that its worker still reports
 
 
-async def _watched(call: Any, decode: Worker) -> AsyncIterator[pb.WorkerGenerateResponse]:
+async def _watched(call: WorkerStream, decode: Worker) -> AsyncIterator[pb.WorkerGenerateResponse]:
     """The call's messages; if its worker stops answering (no message, and its
     load reports have stopped too), fail the call instead of waiting forever.
     A long prefill is quiet too, but its worker keeps reporting.  A watchdog

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -23,6 +23,17 @@ log = logging.getLogger("splitserve.frontend.worker_session")
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _Item = pb.WorkerGenerateResponse | BaseException | object
+
+
+class WorkerStream(Protocol):
+    """What the dispatcher reads a request's worker stream through: a stream on a
+    session or a Generate call.  read() -> a message or grpc.aio.EOF; raises the
+    status the stream ended with (grpc.aio.AioRpcError), or CancelledError once
+    cancel() was called."""
+
+    async def read(self) -> Any: ...
+
+    def cancel(self) -> Any: ...
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -127,7 +138,7 @@ class DecodeStreams:
         self._session: WorkerSession | None = None
         self._sessions_work = True
 
-    def open(self, request: pb.WorkerGenerateRequest, metadata: list[tuple[str, str]] | None) -> Any:
+    def open(self, request: pb.WorkerGenerateRequest, metadata: list[tuple[str, str]] | None) -> WorkerStream:
         if not self._sessions_work:
             return self._stub.Generate(request, metadata=metadata)
         if self._session is None or self._session.broken is not None:
@@ -150,7 +161,7 @@ class _FallBack:
     def __init__(self, streams: DecodeStreams, stream: SessionStream, request: pb.WorkerGenerateRequest,
                  metadata: list[tuple[str, str]] | None) -> None:
         self._streams = streams
-        self._call: Any = stream
+        self._call: WorkerStream = stream
         self._request = request
         self._metadata = metadata
         self._first = True
