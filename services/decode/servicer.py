@@ -127,7 +127,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServicer):
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
                       context: grpc.aio.ServicerContext) -> None:
         """Many Generate streams over one call (services/decode/session.py)."""
-        await GenerateSession(self.Generate, context).run(request_iterator)
+        await GenerateSession(self.Generate, context, self.stats).run(request_iterator)
 
     def _response(self, out: StepOutput, remote: bool, timings: dict[str, float],
                   prompt_ids: list[int]) -> pb.WorkerGenerateResponse:

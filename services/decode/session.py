@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from protos import pb
+from services.decode.stats import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ class _RequestContext:
 class GenerateSession:
     """One Session call: a task per started request, one writer for the call."""
 
-    def __init__(self, generate: GenerateFn, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, generate: GenerateFn, context: grpc.aio.ServicerContext,
+                 stats: DecodeStats | None = None) -> None:
         self._generate = generate
         self._context = context
+        self._stats = stats if stats is not None else DecodeStats()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._items: list[pb.SessionItem] = []
         self._ready = asyncio.Event()  # items are waiting, or the reader ended
@@ -63,6 +66,8 @@ class GenerateSession:
                     # Every request the same engine step woke has queued its
                     # output by now: their wakeups ran before this one.
                     items, self._items = self._items, []
+                    self._stats.session_messages += 1
+                    self._stats.session_outputs += sum(1 for i in items if i.HasField("response"))
                     await self._context.write(pb.SessionResponse(items=items))
                 if reader.done() and not self._tasks and not self._items:
                     reader.result()  # a broken request stream ends the call with its error
@@ -94,6 +99,7 @@ class GenerateSession:
             self._put(pb.SessionItem(request_id=request_id, end=True,
                                      code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=why))
             return
+        self._stats.session_requests += 1
         self._tasks[request_id] = asyncio.create_task(self._serve(request_id, start))
 
     async def _serve(self, request_id: str, start: pb.SessionStart) -> None:

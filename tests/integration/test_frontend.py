@@ -616,3 +616,35 @@ def test_frontend_serves_behind_compute(stack) -> None:  # type: ignore[no-untyp
     threads = thread_policies(pid)
     assert threads[pid][1] == os.SCHED_BATCH  # the main thread's TID is the pid
     assert {p for _, p in threads.values()} == {os.SCHED_BATCH}, threads
+
+
+def test_requests_share_one_session_and_a_step_leaves_in_one_message(stack) -> None:  # type: ignore[no-untyped-def]
+    # The frontend's requests to the decode worker are streams on one Session
+    # call (services/frontend/worker_session.py): every request goes on it, and
+    # a step that advances several requests sends their tokens in one message.
+    import concurrent.futures
+
+    fe = stack[0]
+    wait_all_blocks_free(fe)
+    before = workers(fe)["d0"]["counters"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: httpx.post(f"{fe.url}/v1/completions", json=body, timeout=60).json()
+                              ["choices"][0]["text"], range(4)))
+    assert len(set(texts)) == 1 and texts[0]  # greedy: one text, four times
+    deadline = time.monotonic() + 10
+    last = None
+    while True:  # until the load reports (each at most 0.2 s old) hold still: all four counted
+        after = workers(fe)["d0"]["counters"]
+        now = tuple(after[k] for k in ("session_requests", "session_messages", "session_outputs"))
+        if now == last and now[0] - before["session_requests"] >= 4:
+            break
+        assert time.monotonic() < deadline, f"the requests did not go on a session: {after}"
+        last = now
+        time.sleep(0.3)
+    assert after["session_requests"] - before["session_requests"] == 4
+    outputs = after["session_outputs"] - before["session_outputs"]
+    messages = after["session_messages"] - before["session_messages"]
+    assert 4 <= outputs <= 4 * 24, outputs  # an output a step a request (more tokens with speculation)
+    assert outputs / messages > 2, (outputs, messages)  # the four decode in the same steps: one message
