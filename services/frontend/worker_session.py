@@ -22,6 +22,7 @@ from protos import pb
 log = logging.getLogger("splitserve.frontend.worker_session")
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+SESSION_MAX_REQUEST_BYTES = 1 << 20
 _Item = pb.WorkerGenerateResponse | BaseException | object
 
 
@@ -139,7 +140,9 @@ class DecodeStreams:
         self._sessions_work = True
 
     def open(self, request: pb.WorkerGenerateRequest, metadata: list[tuple[str, str]] | None) -> WorkerStream:
-        if not self._sessions_work:
+        # A request past the worker's message limit (4 MiB) would end the whole
+        # call, every stream on it: a big one goes alone, as its own Generate call.
+        if not self._sessions_work or request.ByteSize() > SESSION_MAX_REQUEST_BYTES:
             return self._stub.Generate(request, metadata=metadata)
         if self._session is None or self._session.broken is not None:
             self._session = WorkerSession(self._stub)

@@ -18,7 +18,7 @@ import pytest
 
 from protos import pb, pb_grpc
 from services.decode.session import GenerateSession
-from services.frontend.worker_session import DecodeStreams
+from services.frontend.worker_session import SESSION_MAX_REQUEST_BYTES, DecodeStreams
 
 
 class Worker(pb_grpc.DecodeServicer):
@@ -235,3 +235,23 @@ def test_a_worker_without_session_serves_the_stream_as_a_generate_call() -> None
     assert kind != "_FallBack"
     assert worker.metadata["a"]["traceparent"] == "tp"
     assert worker.responses_sent == []
+
+
+def test_a_request_too_big_for_a_session_goes_alone_as_a_generate_call() -> None:
+    # Past the worker's message limit a start would end the call and every
+    # stream on it; a big request (a long grammar, say) gets its own call.
+    worker = Worker()
+
+    async def body(streams: DecodeStreams) -> Any:
+        small = streams.open(request("a"), None)
+        await started(worker, "a")
+        big_request = request("b")
+        big_request.sampling.guided.regex = "x" * (SESSION_MAX_REQUEST_BYTES + 1)
+        big = streams.open(big_request, None)
+        worker.queue("b").put_nowait(token(2))
+        worker.queue("a").put_nowait(token(1))
+        return type(big).__name__, list((await big.read()).token_ids), list((await small.read()).token_ids)
+
+    kind, big_tokens, small_tokens = asyncio.run(serving(worker, body))
+    assert kind != "_FallBack" and big_tokens == [2] and small_tokens == [1]
+    assert worker.responses_sent == [1]  # only the small one's token went on the session
