@@ -59,6 +59,9 @@ class WorkerSession:
             request=request, metadata=dict(metadata or ()))))
         return SessionStream(self, request.request_id, q)
 
+    def has(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def cancel(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None and self.broken is None:
             self._outbox.put_nowait(pb.SessionRequest(cancel=request_id))
@@ -146,6 +149,8 @@ class DecodeStreams:
             return self._stub.Generate(request, metadata=metadata)
         if self._session is None or self._session.broken is not None:
             self._session = WorkerSession(self._stub)
+        if self._session.has(request.request_id):  # ids are unique; a second one is refused on its own call
+            return self._stub.Generate(request, metadata=metadata)
         return _FallBack(self, self._session.open(request, metadata), request, metadata)
 
     def generate_only(self) -> None:

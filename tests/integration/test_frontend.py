@@ -618,6 +618,24 @@ def test_frontend_serves_behind_compute(stack) -> None:  # type: ignore[no-untyp
     assert {p for _, p in threads.values()} == {os.SCHED_BATCH}, threads
 
 
+SESSION_COUNTERS = ("session_requests", "session_messages", "session_outputs")
+
+
+def settled_session_counters(fe: Frontend, at_least: float = 0.0) -> dict[str, float]:
+    """The decode worker's session counters once two load reports 0.3 s apart
+    agree (each report is at most 0.2 s old), with session_requests >= at_least."""
+    deadline = time.monotonic() + 10
+    last = None
+    while True:
+        counters = workers(fe)["d0"]["counters"]
+        now = {k: counters[k] for k in SESSION_COUNTERS}
+        if now == last and now["session_requests"] >= at_least:
+            return now
+        assert time.monotonic() < deadline, f"session counters did not settle: {counters}"
+        last = now
+        time.sleep(0.3)
+
+
 def test_requests_share_one_session_and_a_step_leaves_in_one_message(stack) -> None:  # type: ignore[no-untyped-def]
     # The frontend's requests to the decode worker are streams on one Session
     # call (services/frontend/worker_session.py): every request goes on it, and
@@ -626,23 +644,14 @@ def test_requests_share_one_session_and_a_step_leaves_in_one_message(stack) -> N
 
     fe = stack[0]
     wait_all_blocks_free(fe)
-    before = workers(fe)["d0"]["counters"]
+    before = settled_session_counters(fe)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
             "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda _: httpx.post(f"{fe.url}/v1/completions", json=body, timeout=60).json()
                               ["choices"][0]["text"], range(4)))
     assert len(set(texts)) == 1 and texts[0]  # greedy: one text, four times
-    deadline = time.monotonic() + 10
-    last = None
-    while True:  # until the load reports (each at most 0.2 s old) hold still: all four counted
-        after = workers(fe)["d0"]["counters"]
-        now = tuple(after[k] for k in ("session_requests", "session_messages", "session_outputs"))
-        if now == last and now[0] - before["session_requests"] >= 4:
-            break
-        assert time.monotonic() < deadline, f"the requests did not go on a session: {after}"
-        last = now
-        time.sleep(0.3)
+    after = settled_session_counters(fe, before["session_requests"] + 4)
     assert after["session_requests"] - before["session_requests"] == 4
     outputs = after["session_outputs"] - before["session_outputs"]
     messages = after["session_messages"] - before["session_messages"]

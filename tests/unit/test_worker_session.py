@@ -31,6 +31,7 @@ class Worker(pb_grpc.DecodeServicer):
         self.ended: dict[str, str] = {}
         self.metadata: dict[str, dict[str, str]] = {}
         self.responses_sent: list[int] = []  # items per SessionResponse
+        self.live: set[str] = set()
         self.with_session = with_session
 
     def queue(self, request_id: str) -> asyncio.Queue[Any]:
@@ -39,6 +40,9 @@ class Worker(pb_grpc.DecodeServicer):
     async def Generate(self, request: pb.WorkerGenerateRequest,
                        context: Any) -> AsyncIterator[pb.WorkerGenerateResponse]:
         rid = request.request_id
+        if rid in self.live:  # as the engine refuses an id it is running
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already running")
+        self.live.add(rid)
         self.metadata[rid] = dict(context.invocation_metadata() or ())
         self.started.setdefault(rid, asyncio.Event()).set()
         q = self.queue(rid)
@@ -58,6 +62,8 @@ class Worker(pb_grpc.DecodeServicer):
         except asyncio.CancelledError:
             self.ended[rid] = "cancelled"
             raise
+        finally:
+            self.live.discard(rid)
 
     async def Session(self, request_iterator: Any, context: Any) -> None:
         if not self.with_session:
@@ -255,3 +261,19 @@ def test_a_request_too_big_for_a_session_goes_alone_as_a_generate_call() -> None
     kind, big_tokens, small_tokens = asyncio.run(serving(worker, body))
     assert kind != "_FallBack" and big_tokens == [2] and small_tokens == [1]
     assert worker.responses_sent == [1]  # only the small one's token went on the session
+
+
+def test_a_second_stream_of_an_id_still_open_goes_on_its_own_call_and_is_refused_alone() -> None:
+    worker = Worker()
+
+    async def body(streams: DecodeStreams) -> Any:
+        first = streams.open(request("a"), None)
+        await started(worker, "a")
+        second = streams.open(request("a"), None)  # not on the session: its refusal ends only its call
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await second.read()
+        worker.queue("a").put_nowait(token(3))
+        return refused.value.code(), type(second).__name__, list((await first.read()).token_ids)
+
+    code, kind, got = asyncio.run(serving(worker, body))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and kind != "_FallBack" and got == [3]
