@@ -5,7 +5,8 @@ one engine step hands to its requests leave in one SessionResponse.
 
 Per token, a Generate stream costs a gRPC message on each side, and on two
 cores that CPU is taken from the kernels mid-step: at 32 streams a step's
-tokens were 32 messages, here they are one (docs/ARCHITECTURE.md, "Threads")."""
+tokens were 32 messages, here they are one (docs/ARCHITECTURE.md, "One call
+per frontend and decode worker")."""
 
 from __future__ import annotations
 
