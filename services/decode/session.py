@@ -68,7 +68,6 @@ class GenerateSession:
                     # output by now: their wakeups ran before this one.
                     items, self._items = self._items, []
                     self._stats.session_messages += 1
-                    self._stats.session_outputs += sum(1 for i in items if i.HasField("response"))
                     await self._context.write(pb.SessionResponse(items=items))
                 if reader.done() and not self._tasks and not self._items:
                     reader.result()  # a broken request stream ends the call with its error
@@ -107,6 +106,7 @@ class GenerateSession:
         end = pb.SessionItem(request_id=request_id, end=True)
         try:
             async for msg in self._generate(start.request, _RequestContext(dict(start.metadata))):
+                self._stats.session_outputs += 1
                 self._put(pb.SessionItem(request_id=request_id, response=msg))
         except _Aborted as e:
             end.code, end.details = e.code.value[0], e.details

@@ -48,8 +48,8 @@ class WorkerSession:
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
         self.broken: grpc.aio.AioRpcError | None = None
-        self._tasks = [asyncio.create_task(self._read(), name="session-read"),
-                       asyncio.create_task(self._write(), name="session-write")]
+        self._reader = asyncio.create_task(self._read(), name="session-read")
+        self._writer = asyncio.create_task(self._write(), name="session-write")
 
     def open(self, request: pb.WorkerGenerateRequest,
              metadata: list[tuple[str, str]] | None) -> SessionStream:
@@ -68,8 +68,8 @@ class WorkerSession:
 
     def close(self) -> None:
         self._call.cancel()
-        for t in self._tasks:
-            t.cancel()
+        self._reader.cancel()
+        self._writer.cancel()
 
     async def _write(self) -> None:
         while True:
@@ -106,7 +106,7 @@ class WorkerSession:
             streams, self._streams = self._streams, {}
             for q in streams.values():
                 q.put_nowait(err)
-            self._tasks[1].cancel()
+            self._writer.cancel()
 
 
 class SessionStream:
