@@ -526,6 +526,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
 
+  const int64_t block_kv_bytes = (s_kv + bs * s_tok) * static_cast<int64_t>(sizeof(cache_t));  // K, then V
   parallel_claim(T, 1, [&](int64_t begin, int64_t end) {
     // Scratch kept by each thread across pieces and calls (a piece is one task:
     // fresh vectors were an allocation and 13 KB of zeroing each, 1% of a step).
@@ -544,6 +545,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       const int64_t t0 = std::max(lo[b], s0);
       const int64_t t1 = std::min<int64_t>(s0 + PART_TOKENS, lens[b]);
       Partial p{&part_m[task * Hq], &part_l[task * Hq], &part_acc[task * Hq * D]};
+      // The span's first block, keys and values, asked for at once: span()
+      // asks for each next block while the one before computes, but nothing
+      // came before the first, whose rows the loads would otherwise miss one
+      // by one (Zen 4, 32 sequences at context ~110: the layer's decode
+      // attention 4-5% faster).
+      const char* head = reinterpret_cast<const char*>(base + bt[b * bt_stride + t0 / bs] * s_blk);
+      for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(head + c);
       span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
       if (first[b + 1] - first[b] == 1)  // one span: normalised here, as the merge below would
