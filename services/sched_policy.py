@@ -10,6 +10,8 @@ free or at the next scheduling tick, with the same fair share of CPU time as
 before.  Streamed tokens leave up to a tick later; the steps stop stalling.
 Zen 4, 2 vCPUs, the decode32 workload, the two policies alternating: TPOT p50
 40.7 against 42.2 ms (benchmarks/README.md).
+A core also comes free between a step's kernels: the kernels' idle worker
+yields it while it waits for the next one (engine/layers/csrc/parallel_claim.h).
 
 `serve_behind_compute("batch")` puts the calling thread under SCHED_BATCH,
 and with it every thread it starts from then on (a new thread inherits its
