@@ -550,8 +550,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       // came before the first, whose rows the loads would otherwise miss one
       // by one (Zen 4, 32 sequences at context ~110: the layer's decode
       // attention 4-5% faster).
-      const char* head = reinterpret_cast<const char*>(base + bt[b * bt_stride + t0 / bs] * s_blk);
-      for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(head + c);
+      const char* first_block = reinterpret_cast<const char*>(base + bt[b * bt_stride + t0 / bs] * s_blk);
+      for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(first_block + c);
       span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
       if (first[b + 1] - first[b] == 1)  // one span: normalised here, as the merge below would
