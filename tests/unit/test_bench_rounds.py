@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.offline import make_prompts, run_rounds
 from benchmarks.serve_stats import RequestResult
-from benchmarks.targets import Runner
+from benchmarks.targets import Runner, decode_fractions
 
 
 def test_offline_rounds_reverse_the_order_and_pool_tokens_over_seconds() -> None:
@@ -99,3 +99,35 @@ def test_a_later_pairing_sends_prompts_no_server_has_seen(tmp_path: Path) -> Non
     vllm_seeds = [extra[-1] for label, extra in r.calls if label == "vllm"]
     assert vllm_seeds == ["0", "1", "2", "3"]
     assert [extra[-1] for label, extra in r.calls if label == "coloc"] == ["2", "3"]
+
+
+def test_rounds_beside_the_peak_alternate_and_hold_each_round_to_its_own_minutes(tmp_path: Path) -> None:
+    """Target 3: the peak before the first round, between rounds and after the
+    last; each round against the better of the two beside it, never the run's."""
+    r = RecordingRunner(tmp_path, {"ours": 2.0})
+    order: list[str] = []
+    peaks = iter([400e9, 300e9, 440e9, 420e9])
+
+    def peak() -> dict[str, float]:
+        order.append("peak")
+        return {"bfloat16 packed kernel": next(peaks), "float32 torch": 100e9}
+
+    real_bench = r.bench
+
+    def bench(server: Any, workload: str, extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
+        order.append(f"run {extra[-1]}")
+        summary, done = real_bench(server, workload, extra)
+        tpot = {"0": 40.0, "1": 50.0, "2": 35.0}[extra[-1]]
+        return {**summary, "tpot_ms": {"p50": tpot}, "output_tokens": 320, "input_tokens": 320,
+                "completed": 32}, done
+
+    r.bench = bench  # type: ignore[method-assign]
+    rounds = r.bench_beside_peak(SimpleNamespace(label="ours"), "decode32", 3, peak)  # type: ignore[arg-type]
+    assert order == ["peak", "run 0", "peak", "run 1", "peak", "run 2", "peak"]
+    assert [rd.peak("bfloat16")[1] for rd in rounds] == [400e9, 440e9, 440e9]
+    params, layers, qdim = 100_000_000, 10, 64
+    fractions = decode_fractions(rounds, "bfloat16", params, layers, qdim)
+    per_token = 2 * params + 4 * layers * qdim * (10 + 10 / 2)
+    expect = [32 / (tpot / 1e3) * per_token / p for tpot, p in ((40.0, 400e9), (50.0, 440e9), (35.0, 440e9))]
+    assert fractions == pytest.approx(expect)
+    assert r.results["ours / decode32"]["completed"] == 12  # the three rounds pooled
