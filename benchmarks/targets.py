@@ -7,10 +7,10 @@ its best dtype for this machine, side by side:
    same GGUF
 3. batched decode at concurrency 32: >= 50% of the measured matmul peak of the
    dtype the server runs (32 requests arriving together, so that every step
-   after their prompts is a decode of 32; three rounds, each held to the peak
-   measured right before and after it, the verdict by the median round; a
-   second run, where 64 requests keep 32 in flight and new prompts are
-   prefilled between the decodes, is reported beside it)
+   after their prompts is a decode of 32; three rounds (two with --quick),
+   each held to the peak measured right before and after it, the verdict by
+   the median round; a second run, where 64 requests keep 32 in flight and
+   new prompts are prefilled between the decodes, is reported beside it)
 4. prefill of a 2,000-token prompt: >= 60% of that peak
 5. cold start of `splitserve up --prefill 1 --decode 1` <= 10 s; offline
    throughput >= 3x Hugging Face static batching (`splitserve bench offline`)
