@@ -365,6 +365,11 @@ def matmul_peak(threads: int) -> dict[str, float]:
     return best
 
 
+def better_peaks(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each matmul's better peak of two measurements (a low one would flatter every fraction of it)."""
+    return {k: max(v, after.get(k, 0.0)) for k, v in before.items()}
+
+
 def dtype_peak(peak: dict[str, float], dtype: str) -> tuple[str, float]:
     """The peak a server of `dtype` is held to: the best float32 matmul, bf16's, or int8's."""
     rows = {k: v for k, v in peak.items() if k.startswith(dtype)}
@@ -416,9 +421,8 @@ class PeakRound:
     peak_after: dict[str, float]
 
     def peak(self, dtype: str) -> tuple[str, float]:
-        """The better of the two (a low one would flatter the round), as dtype_peak picks."""
-        both = {k: max(v, self.peak_after.get(k, 0.0)) for k, v in self.peak_before.items()}
-        return dtype_peak(both, dtype)
+        """The better of the two (better_peaks), as dtype_peak picks."""
+        return dtype_peak(better_peaks(self.peak_before, self.peak_after), dtype)
 
 
 def decode_fractions(rounds: list[PeakRound], dtype: str, params: int, layers: int,
@@ -568,7 +572,7 @@ def main() -> int:
     peak: dict[str, float] = {}
     if only & {3, 4}:
         peak_after = matmul_peak(threads)
-        peak = {k: max(v, peak_after.get(k, 0.0)) for k, v in peak_before.items()}
+        peak = better_peaks(peak_before, peak_after)
         report.append("0. matmul peak (512x576x3072, all cores; the better of before and after the servers): "
                       + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s (before {peak_before[k] / 1e9:.1f}, after "
                                   f"{peak_after.get(k, 0.0) / 1e9:.1f})" for k, v in peak.items()))
