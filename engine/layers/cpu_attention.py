@@ -19,7 +19,8 @@ SOURCE = CSRC / "paged_attention_cpu.cpp"
 # The linear kernels: the torch-facing file and one file per instruction set.
 LINEAR_SOURCES = [CSRC / "linear_cpu.cpp",
                   *(CSRC / f"linear_isa_{isa}.cpp"
-                    for isa in ("scalar", "avx2", "avx512", "avx512bf16", "avx512bf16q4", "avx512vnni"))]
+                    for isa in ("scalar", "avx2", "avx512", "avx512bf16", "avx512bf16q4", "avx512vnni",
+                                "amx"))]
 
 
 def stable_source(build_dir: Path, source: Path = SOURCE) -> Path:

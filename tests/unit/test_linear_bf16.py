@@ -14,13 +14,20 @@ from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
 from tests.unit.test_linear_isa import q4_weight
 
 
-@pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
+# Each test runs on both bfloat16 kernels where the CPU has them: vdpbf16ps
+# (AVX512-BF16) and AMX tiles (amx_bf16, amx_tile; K a multiple of 32).
+@pytest.fixture(scope="module", params=["vdpbf16ps", "amx"])
+def kernel(request):  # type: ignore[no-untyped-def]
     k = load_linear_kernel()
     assert k is not None, "the linear kernel must build on this machine"
     if not k.bf16_supported():
         pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which bf16_linear needs")
-    return k
+    if request.param == "amx" and not k.bf16_amx_supported():
+        pytest.skip("this CPU lacks AMX (lscpu: no amx_bf16 / amx_tile), which the AMX kernel needs")
+    before = k.set_bf16_amx(request.param == "amx") if k.bf16_amx_supported() else None
+    yield k
+    if before is not None:
+        k.set_bf16_amx(before)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

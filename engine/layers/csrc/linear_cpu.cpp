@@ -30,6 +30,11 @@
 #include <cstdlib>
 #include <immintrin.h>
 #include <limits>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <string>
 #include <tuple>
 #include <utility>
@@ -97,6 +102,7 @@ struct Panels {
   int64_t panel_bytes;
   bool block_sums = false;  // the kernel wants sums of x per block (q4)
   bool bf16_pairs = false;  // the kernel wants x as bfloat16 pairs (bf16 panels)
+  bool bf16_rows = false;   // the kernel wants x as plain bfloat16 rows, padded to AMX_ROWS (AMX)
 };
 
 using splitserve_bf16::round_bits;
@@ -109,6 +115,14 @@ void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t kp = 0; kp < K / 2; ++kp)
       tile[kp * BF_TILE_ROWS + r] =
+          round_bits(x[r * K + 2 * kp]) | (uint32_t{round_bits(x[r * K + 2 * kp + 1])} << 16);
+}
+
+// Rows of x [rows, K] -> plain bfloat16 rows (pairs as above, K / 2 a row).
+void bf16_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kp = 0; kp < K / 2; ++kp)
+      out[r * (K / 2) + kp] =
           round_bits(x[r * K + 2 * kp]) | (uint32_t{round_bits(x[r * K + 2 * kp + 1])} << 16);
 }
 
@@ -191,19 +205,21 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   const float* xp = x2.data_ptr<float>();
   int64_t ldx = K;
   at::Tensor pairs;
-  if (w.bf16_pairs) {
-    // The kernel reads uint32 pairs through the same pointer (4 bytes each):
-    // tile t of BF_TILE_ROWS rows at t * BF_TILE_ROWS * K / 2, so row m of a
-    // tile's start is at m * K / 2, as for a row-major x of K / 2 a row.
+  if (w.bf16_pairs || w.bf16_rows) {
+    // The kernel reads uint32 pairs through the same pointer (4 bytes each), in
+    // tiles of T rows: tile t at t * T * K / 2, so row m of a tile's start is
+    // at m * K / 2, as for a row-major x of K / 2 a row.  vdpbf16ps's tiles
+    // hold their pairs pair-major (bf16_tile_pairs), AMX's as plain rows, with
+    // zero rows after the last up to a whole tile (AMX loads T rows at a time).
     TORCH_CHECK(K % 2 == 0, name, ": K must be even");
-    static_assert(M_CHUNK % BF_TILE_ROWS == 0, "row chunks start on a tile");
-    const int64_t tiles = (M + BF_TILE_ROWS - 1) / BF_TILE_ROWS;
-    pairs = at::empty({tiles * BF_TILE_ROWS, K / 2}, x2.options().dtype(at::kInt));
+    static_assert(M_CHUNK % BF_TILE_ROWS == 0 && M_CHUNK % AMX_ROWS == 0, "row chunks start on a tile");
+    const int64_t T = w.bf16_pairs ? BF_TILE_ROWS : AMX_ROWS, tiles = (M + T - 1) / T;
+    const auto convert = w.bf16_pairs ? bf16_tile_pairs : bf16_plain_rows;
+    pairs = at::empty({tiles * T, K / 2}, x2.options().dtype(at::kInt));
     uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
+    std::memset(pp + M * (K / 2), 0, (tiles * T - M) * (K / 2) * sizeof(uint32_t));
     parallel_claim(tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        bf16_tile_pairs(xp + t * BF_TILE_ROWS * K, std::min(BF_TILE_ROWS, M - t * BF_TILE_ROWS), K,
-                        pp + t * BF_TILE_ROWS * (K / 2));
+      for (int64_t t = begin; t < end; ++t) convert(xp + t * T * K, std::min(T, M - t * T), K, pp + t * T * (K / 2));
     });
     xp = reinterpret_cast<const float*>(pp);
     ldx = K / 2;
@@ -224,7 +240,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // time: past one row tile (MR rows) the kernel decodes a pair once and reads
   // it together in every tile (AVX-512; one panel at a time elsewhere); up to
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
-  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs ? 2 : 1);
+  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
   each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
     w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
              rows, bp, p * NR, cols, yp + m0 * N, N);
@@ -427,6 +443,36 @@ bool bf16_supported() {
 #endif
 }
 
+// AMX (amx_bf16 and amx_tile) for bf16_linear where K is a multiple of 32:
+// the CPU has it, Linux lets this process use the tiles (a process asks once,
+// ARCH_REQ_XCOMP_PERM), and set_bf16_amx has not turned it off.
+bool amx_cpu() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!bf16_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> g_bf16_amx{true};
+
+bool bf16_amx_supported() { return amx_cpu(); }
+
+// Tests compare the two bfloat16 kernels: off, bf16_linear runs vdpbf16ps everywhere.
+bool set_bf16_amx(bool on) {
+  TORCH_CHECK(!on || amx_cpu(), "set_bf16_amx: this CPU (or this kernel) does not run AMX tiles");
+  return g_bf16_amx.exchange(on);
+}
+
+bool bf16_amx(int64_t K) { return K % QB == 0 && g_bf16_amx.load() && amx_cpu(); }
+
 // w [N, K] float32 -> bfloat16 panels [P, K/2, 16, 2] (rounded to nearest even; columns past N zero).
 at::Tensor pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(1) % 2 == 0,
@@ -444,7 +490,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                   panels.size(3) == 2 && panels.is_contiguous(),
               "bf16_linear: panels must be bfloat16 [P, K/2, 16, 2]");
   const int64_t K = panels.size(1) * 2;
-  const Panels w{kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, true};
+  const bool amx = bf16_amx(K);
+  const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
+                 false, !amx, amx};
   return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
 }
 
@@ -821,6 +869,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
+  m.def("bf16_amx_supported", &bf16_amx_supported,
+        "whether bf16_linear runs on AMX tiles here (for K a multiple of 32)");
+  m.def("set_bf16_amx", &set_bf16_amx,
+        "bf16_linear on AMX tiles (True, the default where supported) or vdpbf16ps; returns the previous");
   m.def("q4bf16_supported", &q4bf16_supported,
         "whether this CPU runs q4bf16_linear (AVX512-BF16 and AVX512-VBMI)");
   def_linear("q4bf16_linear", &q4bf16_linear, "blocks",

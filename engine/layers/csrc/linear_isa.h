@@ -456,6 +456,83 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
   }
 }
 
+#if defined(SPLITSERVE_ISA_AMX)
+// The same bfloat16 panels on AMX tiles (Sapphire Rapids and later), for
+// prompts' rows under prefill_dtype=bfloat16 where K is a multiple of 32: a
+// panel's 16 pairs (k, k + 1) of a block of 32 inputs are, as stored, the 16
+// rows of 64 bytes an AMX B tile wants, so the panels need no other copy.  x
+// arrives as plain bfloat16 rows (ldx pairs a row), zero rows after the last
+// up to a multiple of AMX_ROWS (linear_cpu.cpp pads them): every tile loads
+// 16 rows.  tdpbf16ps adds each pair's two exact products to a float32 sum,
+// pairs in k order, one row's sums never touching another's, so a row's result
+// does not depend on its batch; the sums are not vdpbf16ps's bits (the two
+// instructions round differently), so a machine runs one or the other for a
+// weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
+// 4-5 rows of x, 6-7 panels.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <bool TWO_ROWS, bool TWO_PANELS>
+inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < K / QB; ++kb) {
+    _tile_loadd(4, x + kb * 64, xstride);
+    _tile_loadd(6, p + kb * 16 * 64, 64);
+    if constexpr (TWO_PANELS) _tile_loadd(7, p + pbytes + kb * 16 * 64, 64);
+    if constexpr (TWO_ROWS) _tile_loadd(5, x + AMX_ROWS * xstride + kb * 64, xstride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TWO_PANELS) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO_ROWS) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (TWO_ROWS && TWO_PANELS) _tile_dpbf16ps(3, 5, 7);
+  }
+  // c: [row tile][panel] tiles of AMX_ROWS x 16 sums
+  _tile_stored(0, c, 64);
+  if constexpr (TWO_PANELS) _tile_stored(1, c + AMX_ROWS * NR, 64);
+  if constexpr (TWO_ROWS) _tile_stored(2, c + 2 * AMX_ROWS * NR, 64);
+  if constexpr (TWO_ROWS && TWO_PANELS) _tile_stored(3, c + 3 * AMX_ROWS * NR, 64);
+}
+
+void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
+                   const float*, int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
+                   int64_t ldy) {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = AMX_ROWS;
+  }
+  _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  const int64_t xstride = ldx * 4;
+  alignas(64) float c[4 * AMX_ROWS * NR];
+  for (int64_t n = 0; n < np; n += 2) {
+    const bool two_p = n + 1 < np;
+    for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
+      const bool two_r = m + AMX_ROWS < rows;
+      const uint8_t* xm = xb + m * xstride;
+      const uint8_t* pn = p + n * pbytes;
+      if (two_r && two_p) amx_block<true, true>(xm, xstride, pn, pbytes, K, c);
+      else if (two_r) amx_block<true, false>(xm, xstride, pn, pbytes, K, c);
+      else if (two_p) amx_block<false, true>(xm, xstride, pn, pbytes, K, c);
+      else amx_block<false, false>(xm, xstride, pn, pbytes, K, c);
+      for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt)
+        for (int64_t j = 0; j < (two_p ? 2 : 1); ++j) {
+          const int64_t m0 = m + rt * AMX_ROWS;
+          store_tile(c + (rt * 2 + j) * AMX_ROWS * NR, min64(AMX_ROWS, rows - m0), bias, col0 + (n + j) * NR,
+                     min64(NR, cols - (n + j) * NR), y + m0 * ldy, ldy);
+        }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <typename Format>
 void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
                        const float* xs, int64_t ldxs, int64_t rows, const float* bias, int64_t col0, int64_t cols,
@@ -1298,7 +1375,9 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 
 }  // namespace
 
-#if defined(SPLITSERVE_ISA_BF16Q4)
+#if defined(SPLITSERVE_ISA_AMX)
+extern const RowsTimesPanels kAmxBf16Rows = amx_bf16_rows;
+#elif defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
 extern const Q4Bf16Rows kQ8Bf16 = q8bf16_rows;
 #elif defined(SPLITSERVE_ISA_BF16)

@@ -87,6 +87,11 @@ extern const IsaKernels kAvx512Kernels;
 // sums: AVX512-BF16 only (bf16_supported()).
 constexpr int64_t BF_TILE_ROWS = 12;
 extern const RowsTimesPanels kBf16Rows;
+// The same panels on AMX tiles (amx_bf16 and amx_tile; K a multiple of 32),
+// x as plain bfloat16 rows, ldx pairs a row, zero rows after the last up to a
+// multiple of AMX_ROWS.  Its float32 sums are not kBf16Rows's bits.
+constexpr int64_t AMX_ROWS = 16;
+extern const RowsTimesPanels kAmxBf16Rows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
 // decode_dtype=bfloat16: 4-bit blocks (as q4) times rows of x rounded to

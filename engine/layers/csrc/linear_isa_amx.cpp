@@ -1,0 +1,12 @@
+// The bfloat16 linear kernel on AMX tiles (Sapphire Rapids and later):
+// prompts' rows under prefill_dtype=bfloat16.  Only kAmxBf16Rows comes out
+// of this file.
+// Standard headers first, outside the pragma: their inline code stays baseline.
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#define SPLITSERVE_ISA_AVX512 1
+#define SPLITSERVE_ISA_BF16 1
+#define SPLITSERVE_ISA_AMX 1
+#include "linear_isa.h"
