@@ -22,12 +22,12 @@ def kernel(request):  # type: ignore[no-untyped-def]
     assert k is not None, "the linear kernel must build on this machine"
     if not k.bf16_supported():
         pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which bf16_linear needs")
-    if request.param == "amx" and not k.bf16_amx_supported():
+    if request.param == "amx" and not k.amx_supported():
         pytest.skip("this CPU lacks AMX (lscpu: no amx_bf16 / amx_tile), which the AMX kernel needs")
-    before = k.set_bf16_amx(request.param == "amx") if k.bf16_amx_supported() else None
+    before = k.set_amx(request.param == "amx") if k.amx_supported() else None
     yield k
     if before is not None:
-        k.set_bf16_amx(before)
+        k.set_amx(before)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

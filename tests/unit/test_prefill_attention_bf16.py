@@ -33,6 +33,12 @@ def kernel() -> ModuleType:
     return k
 
 
+def test_amx_where_the_cpu_has_it(kernel: ModuleType) -> None:
+    """On CPUs with AMX the bfloat16 rows' products run on AMX tiles (the
+    tests here then check that path): the CPU's flags, not the build's luck."""
+    assert kernel.prefill_amx() == (has("amx_bf16") and has("amx_tile"))
+
+
 def rounded(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 

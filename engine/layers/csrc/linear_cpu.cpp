@@ -443,9 +443,9 @@ bool bf16_supported() {
 #endif
 }
 
-// AMX (amx_bf16 and amx_tile) for bf16_linear where K is a multiple of 32:
-// the CPU has it, Linux lets this process use the tiles (a process asks once,
-// ARCH_REQ_XCOMP_PERM), and set_bf16_amx has not turned it off.
+// AMX tiles (amx_tile, amx_bf16) for bf16_linear where K is a multiple of
+// 32: the CPU has them, Linux lets this process use them (a process asks
+// once, ARCH_REQ_XCOMP_PERM), and set_amx has not turned them off.
 bool amx_cpu() {
 #if defined(__x86_64__)
   static const bool ok = [] {
@@ -461,17 +461,17 @@ bool amx_cpu() {
 #endif
 }
 
-std::atomic<bool> g_bf16_amx{true};
+std::atomic<bool> g_amx{true};
 
-bool bf16_amx_supported() { return amx_cpu(); }
+bool amx_supported() { return amx_cpu(); }
 
-// Tests compare the two bfloat16 kernels: off, bf16_linear runs vdpbf16ps everywhere.
-bool set_bf16_amx(bool on) {
-  TORCH_CHECK(!on || amx_cpu(), "set_bf16_amx: this CPU (or this kernel) does not run AMX tiles");
-  return g_bf16_amx.exchange(on);
+// Tests compare the kernels: off, bf16_linear runs vdpbf16ps everywhere.
+bool set_amx(bool on) {
+  TORCH_CHECK(!on || amx_cpu(), "set_amx: this CPU (or this kernel) does not run AMX tiles");
+  return g_amx.exchange(on);
 }
 
-bool bf16_amx(int64_t K) { return K % QB == 0 && g_bf16_amx.load() && amx_cpu(); }
+bool use_amx() { return g_amx.load() && amx_cpu(); }
 
 // w [N, K] float32 -> bfloat16 panels [P, K/2, 16, 2] (rounded to nearest even; columns past N zero).
 at::Tensor pack_bf16(const at::Tensor& w) {
@@ -490,7 +490,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                   panels.size(3) == 2 && panels.is_contiguous(),
               "bf16_linear: panels must be bfloat16 [P, K/2, 16, 2]");
   const int64_t K = panels.size(1) * 2;
-  const bool amx = bf16_amx(K);
+  const bool amx = K % QB == 0 && use_amx();
   const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
                  false, !amx, amx};
   return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
@@ -869,9 +869,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
-  m.def("bf16_amx_supported", &bf16_amx_supported,
-        "whether bf16_linear runs on AMX tiles here (for K a multiple of 32)");
-  m.def("set_bf16_amx", &set_bf16_amx,
+  m.def("amx_supported", &amx_supported,
+        "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
+  m.def("set_amx", &set_amx,
         "bf16_linear on AMX tiles (True, the default where supported) or vdpbf16ps; returns the previous");
   m.def("q4bf16_supported", &q4bf16_supported,
         "whether this CPU runs q4bf16_linear (AVX512-BF16 and AVX512-VBMI)");

@@ -39,6 +39,10 @@
 #if defined(__AVX512BF16__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -861,8 +865,78 @@ inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, in
     _mm512_storeu_si512(y + i, (__m512i)h);
   }
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// On CPUs with AMX (this file is built for its CPU) the same products run on
+// AMX tiles where D is a multiple of 32: a key tile [D / 2][16][2] is, 32 dims
+// at a time, an AMX B tile as packed, and so are 16 pairs of keys' values
+// [pair][16 dims][2]; q and p are A tiles as they lie (rows D and BK apart).
+// Rows go 16 at a time (the buffers have whole tiles of rows; a padded row's
+// sums are never read), keys 16 at a time for S and 32 for O (p is 0 past a
+// row's sight, and values past the sequence are packed as zeros, so the
+// extra products add exact zeros).  tdpbf16ps rounds its sums unlike
+// vdpbf16ps, so such a machine runs AMX for every bfloat16 prompt row, and a
+// row's bits still depend on its own sequence alone.
+constexpr int64_t AR = 16;  // rows of an AMX tile
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lets a process use the tiles once it asks (ARCH_REQ_XCOMP_PERM).
+inline bool amx_allowed() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023L, 18L) == 0;
+  return ok;
+}
+
+// Tiles 0 (sums), 4 (A) and 6 (B), each 16 rows of 64 bytes; per task, as
+// the thread may have run other tile code in between.
+inline void amx_configure() {
+  AmxConfig cfg;
+  for (int t : {0, 4, 6}) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = AR;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// s[r][j0 .. n16) = q_r . keys, for 16 rows of q (bfloat16, D apart); kt: the block's key tiles.
+inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
+  for (int64_t j = j0; j < n16; j += KT) {
+    _tile_zero(0);
+    for (int64_t ks = 0; ks < D / 32; ++ks) {
+      _tile_loadd(4, q + ks * 32, D * 2);
+      _tile_loadd(6, kt + j * D + ks * 32 * KT, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, s + j, ls * 4);
+  }
+}
+
+// o[r][0 .. D) = o * rescale[r] + sum over key pairs jp0 .. jp1 (multiples of
+// 16) of p[r][2j, 2j + 1] . v[2j, 2j + 1][d], for 16 rows (rows of them real).
+inline void pv_amx(int64_t rows, const uint16_t* p, int64_t lp, int64_t jp0, int64_t jp1, const uint16_t* v,
+                   int64_t D, const float* rescale, float* o) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
+  for (int64_t d0 = 0; d0 < D; d0 += KT) {
+    _tile_loadd(0, o + d0, D * 4);
+    for (int64_t jp = jp0; jp < jp1; jp += AR) {
+      _tile_loadd(4, p + jp * 2, lp * 2);
+      _tile_loadd(6, v + (jp * D + d0) * 2, D * 4);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, o + d0, D * 4);
+  }
+}
+#else
+constexpr int64_t AR = 1;
+#endif
 #else
 constexpr bool HAS_BF16 = false;
+constexpr int64_t AR = 1;
 #endif
 
 template <typename scalar_t, typename cache_t>
@@ -905,6 +979,18 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
       vpack16(any16 ? new uint16_t[kstart[B]] : nullptr);
   // Sequence b's keys for KV head hk start here (in kpack, and in vpack).
   auto region = [&](int64_t b, int64_t hk) { return kstart[b] + hk * ((kstart[b + 1] - kstart[b]) / Hkv); };
+  // bfloat16 rows on AMX tiles (above) where the CPU has them and D allows.
+  bool amx = false;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  amx = any16 && D % 32 == 0 && amx_allowed();
+#endif
+  // AMX reads values 32 keys at a time: the keys after the last tile, up to
+  // the block's end, are packed as zeros too.
+  for (int64_t b = 0; amx && b < B; ++b) {
+    const int64_t written = (seq_lens[b] + KT - 1) / KT * KT * D, whole = (kstart[b + 1] - kstart[b]) / Hkv;
+    for (int64_t hk = 0; hk < Hkv; ++hk)
+      std::fill(vpack16.get() + region(b, hk) + written, vpack16.get() + region(b, hk) + whole, uint16_t{0});
+  }
   std::vector<int64_t> tile_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) tile_start[b + 1] = tile_start[b] + Hkv * ((seq_lens[b] + KT - 1) / KT);
   parallel_claim(tile_start[B], 4, [&](int64_t begin, int64_t end) {
@@ -980,9 +1066,13 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
 
   parallel_claim(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    const int64_t RT = QB * G;
-    std::vector<float> qs(RT * D), o(RT * D), s(RT * BK), m(RT), l(RT), rescale(RT);
-    std::vector<uint16_t> qs16(any16 ? RT * D : 0), p16(any16 ? RT * BK : 0);
+    // Whole AMX tiles of rows (AR, 1 without AMX): a padded row is computed, never read.
+    const int64_t RT = QB * G, RA = (RT + AR - 1) / AR * AR;
+    std::vector<float> qs(RT * D), o(RA * D), s(RA * BK), m(RT), l(RT), rescale(RA);
+    std::vector<uint16_t> qs16(any16 ? RA * D : 0), p16(any16 ? RA * BK : 0);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx) amx_configure();
+#endif
     std::vector<int64_t> lo(RT), hi(RT);
     vi lane;
     for (int u = 0; u < VW; ++u) lane[u] = u;
@@ -1018,7 +1108,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
         if (task.bf16) {
 #if defined(__AVX512BF16__)
           const uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
-          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          for (int64_t r0 = 0; amx && r0 < rows; r0 += AR) {
+            const int64_t r = std::min<int64_t>(AR, rows - r0);
+            if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
+            const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
+            qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, s.data() + r0 * BK, BK);
+          }
+#endif
+          for (int64_t r0 = 0; !amx && r0 < rows; r0 += BR) {
             const int64_t r = std::min<int64_t>(BR, rows - r0);
             if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
             const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
@@ -1049,7 +1147,17 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           // half out of sight adds 0 times a packed value, zeros past the end).
           round_bf16(s.data(), p16.data(), rows * BK);
           const uint16_t* vb16 = vpack16.get() + (vb - vpack.get());
-          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          for (int64_t r0 = 0; amx && r0 < rows; r0 += AR) {
+            const int64_t r = std::min<int64_t>(AR, rows - r0);
+            const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
+            if (a >= e) continue;
+            // 16 pairs of keys at a time, from a's 16 (p is 0 outside a .. e).
+            pv_amx(r, p16.data() + r0 * BK, BK, a / 2 / AR * AR, std::min<int64_t>(BK / 2, ((e + 1) / 2 + AR - 1) / AR * AR),
+                   vb16, D, rescale.data() + r0, o.data() + r0 * D);
+          }
+#endif
+          for (int64_t r0 = 0; !amx && r0 < rows; r0 += BR) {
             const int64_t r = std::min<int64_t>(BR, rows - r0);
             const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
             if (a >= e) continue;
@@ -1076,6 +1184,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[rho * D + d] * inv);
         }
     }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -1194,4 +1305,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_rows") = std::vector<int64_t>{});
   // Whether bf16_rows can be given: this build has AVX512-BF16.
   m.def("prefill_bf16_supported", [] { return prefill::HAS_BF16; });
+  m.def("prefill_amx", [] {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return prefill::amx_allowed();
+#else
+    return false;
+#endif
+  }, "whether bfloat16 prompt rows attend on AMX tiles here (head sizes a multiple of 32)");
 }
