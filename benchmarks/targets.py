@@ -382,10 +382,9 @@ def served_dtype(dtype: str) -> str:
     the workers resolve it, for a server's default batch size)."""
     import torch
 
-    from engine.config import SchedulerConfig
     from engine.model_runner import resolve_dtype
 
-    resolved = resolve_dtype(dtype, torch.device("cpu"), SchedulerConfig.max_num_seqs)
+    resolved = resolve_dtype(dtype, torch.device("cpu"))
     return str(resolved).removeprefix("torch.")
 
 

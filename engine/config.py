@@ -19,8 +19,7 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default model
-    # auto: bfloat16 on GPUs and, for engines of many sequences, on CPUs with AMX;
-    # float32 elsewhere (model_runner.resolve_dtype).
+    # auto: bfloat16 on GPUs, float32 on CPUs (model_runner.resolve_dtype).
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when present, else cpu
     seed: int = 0

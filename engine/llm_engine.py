@@ -47,7 +47,7 @@ class LLMEngine:
         hf_cfg = json.loads((model_dir / "config.json").read_text())
         # Before the weights load: a configuration that cannot work fails fast.
         draft_dir = check_speculative_config(config.speculative, hf_cfg, self.text_tokenizer)
-        self.runner = ModelRunner(model_dir, config.model, config.cache, config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(model_dir, config.model, config.cache)
         if config.lora.enabled:
             self.runner.enable_lora(config.lora.max_loras, config.lora.max_lora_rank)
             for module in config.lora.lora_modules:

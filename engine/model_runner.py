@@ -20,7 +20,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
-from engine.layers.cpu_features import amx_bf16, fast_bf16
+from engine.layers.cpu_features import fast_bf16
 from engine.layers.cpu_malloc import keep_freed_memory
 from engine.layers.kv_quant import resolve_kv_dtype
 from engine.layers.packed_linear import PackedLinear, PromptRows, leading_rows, row_runs
@@ -45,22 +45,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# dtype=auto on CPUs with native bf16.  Measured side by side on an
-# AVX512-BF16 EPYC without AMX (Zen 4, 2 cores; benchmarks/README.md, issue 16's
-# targets run), one server each way: float32 on the packed kernels (exact 4-bit
-# weights) served a mixed workload at 115 tok/s against bf16's 100, 32 streams
-# at 260 against 225 and one stream at 49 against 15.  Prefill-heavy work ran
-# faster in bf16 (2,000 tokens in 3.1 s against 3.9; offline batches of 64
-# prompts 203 tok/s against 126), so users of big offline batches pass bfloat16;
-# servers, auto's main users, get float32 at every batch size without AMX.
-# With AMX, whose bf16 tiles multiply several times faster than AVX-512,
-# engines batching many sequences get bf16, and
-# engines of up to this many sequences float32 (a decode step of one row is
-# memory-bound: the 4-bit blocks read 4.5 bits a weight, bf16 16).
-AUTO_FLOAT32_MAX_SEQS = 4
+# dtype=auto on CPUs with native bf16: float32 (the packed kernels, exact
+# 4-bit weights).  Measured side by side on an AVX512-BF16 EPYC without AMX
+# (Zen 4, 2 cores; benchmarks/README.md, issue 16's targets run), one server
+# each way: float32 served a mixed workload at 115 tok/s against bf16's 100,
+# 32 streams at 260 against 225 and one stream at 49 against 15.  On an AMX
+# Xeon (family 6 model 207, 2 cores, session 37's targets run) the same:
+# mixed 191 against 121 tok/s, one stream 16 against 63 ms a token (torch's
+# bf16 matmuls run on AMX, but a one-row step is memory-bound and the 4-bit
+# blocks read 4.5 bits a weight to bf16's 16).  Prefill-heavy work runs
+# faster in bf16 (2,000 tokens in 3.1 s against 3.9 on the Zen 4; offline
+# batches of 64 prompts 203 tok/s against 126), so users of big offline
+# batches pass bfloat16, or prefill_dtype=bfloat16 (prompts on bf16 panels,
+# AMX tiles where present: 1.5 s for 2,000 tokens on the Xeon).
 
 
-def resolve_dtype(name: str, device: torch.device, max_num_seqs: int | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """On CPUs without native bf16, bf16 matmuls are several times slower than
     float32 (seen: 6x on an AVX2-only EPYC), so auto picks float32 there; on
     CPUs with it, see above."""
@@ -68,12 +68,9 @@ def resolve_dtype(name: str, device: torch.device, max_num_seqs: int | None = No
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    if not fast_bf16():
-        return torch.float32
-    if load_linear_kernel() is None:
+    if fast_bf16() and load_linear_kernel() is None:
         return torch.bfloat16  # float32 would be torch's BLAS path
-    few = max_num_seqs is not None and max_num_seqs <= AUTO_FLOAT32_MAX_SEQS
-    return torch.bfloat16 if amx_bf16() and not few else torch.float32
+    return torch.float32
 
 
 def available_memory(device: torch.device) -> int:
@@ -191,16 +188,14 @@ def save_packed(panels: Mapping[str, torch.Tensor], path: Path) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, model_config: ModelConfig, cache_config: CacheConfig,
-                 max_num_seqs: int | None = None) -> None:
-        """max_num_seqs: the scheduler's cap, which `dtype=auto` weighs on CPUs."""
+    def __init__(self, model_dir: Path, model_config: ModelConfig, cache_config: CacheConfig) -> None:
         if model_config.num_threads:
             torch.set_num_threads(model_config.num_threads)
         self.model_dir = model_dir
         self.device = resolve_device(model_config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's big tensors reuse the last step's pages
-        self.dtype = resolve_dtype(model_config.dtype, self.device, max_num_seqs)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = self.model.spec
         self.block_size = cache_config.block_size

@@ -40,11 +40,6 @@ def fast_bf16() -> bool:
     return has("amx_bf16") or has("avx512_bf16")
 
 
-def amx_bf16() -> bool:
-    """bf16 matrix tiles (AMX): large bf16 matmuls several times faster than AVX-512."""
-    return has("amx_bf16")
-
-
 def cpu_summary() -> str:
     """One line naming the machine for benchmark tables: model, cores, the
     kernel-relevant flags it has."""
