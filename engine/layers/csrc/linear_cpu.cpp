@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"
 #include "bf16_round.h"
 #include "parallel_claim.h"
 
@@ -32,8 +33,6 @@
 #include <limits>
 #if defined(__x86_64__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #include <string>
 #include <tuple>
@@ -111,19 +110,17 @@ using splitserve_bf16::round_bits;
 // the bf16 kernel reads them: in tiles of BF_TILE_ROWS rows, row r's pair kp
 // at [kp * BF_TILE_ROWS + r] (rows past the last row are never read: the
 // kernel runs as many rows as the tile has).
+inline uint32_t bf16_pair(const float* x) { return round_bits(x[0]) | (uint32_t{round_bits(x[1])} << 16); }
+
 void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t kp = 0; kp < K / 2; ++kp)
-      tile[kp * BF_TILE_ROWS + r] =
-          round_bits(x[r * K + 2 * kp]) | (uint32_t{round_bits(x[r * K + 2 * kp + 1])} << 16);
+    for (int64_t kp = 0; kp < K / 2; ++kp) tile[kp * BF_TILE_ROWS + r] = bf16_pair(x + r * K + 2 * kp);
 }
 
 // Rows of x [rows, K] -> plain bfloat16 rows (pairs as above, K / 2 a row).
 void bf16_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t kp = 0; kp < K / 2; ++kp)
-      out[r * (K / 2) + kp] =
-          round_bits(x[r * K + 2 * kp]) | (uint32_t{round_bits(x[r * K + 2 * kp + 1])} << 16);
+    for (int64_t kp = 0; kp < K / 2; ++kp) out[r * (K / 2) + kp] = bf16_pair(x + r * K + 2 * kp);
 }
 
 // s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row
@@ -451,9 +448,7 @@ bool amx_cpu() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!bf16_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ((d >> 22) & 1) && ((d >> 24) & 1) && splitserve_amx::tiles_allowed();  // AMX-BF16, AMX-TILE
   }();
   return ok;
 #else
@@ -462,8 +457,6 @@ bool amx_cpu() {
 }
 
 std::atomic<bool> g_amx{true};
-
-bool amx_supported() { return amx_cpu(); }
 
 // Tests compare the kernels: off, bf16_linear runs vdpbf16ps everywhere.
 bool set_amx(bool on) {
@@ -869,7 +862,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
-  m.def("amx_supported", &amx_supported,
+  m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
   m.def("set_amx", &set_amx,
         "bf16_linear on AMX tiles (True, the default where supported) or vdpbf16ps; returns the previous");

@@ -22,6 +22,9 @@
 #if defined(SPLITSERVE_ISA_AVX512) || defined(SPLITSERVE_ISA_AVX2)
 #include <immintrin.h>
 #endif
+#if defined(SPLITSERVE_ISA_AMX)
+#include "amx_tiles.h"
+#endif
 
 namespace splitserve_linear {
 namespace {
@@ -469,12 +472,6 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
 // instructions round differently), so a machine runs one or the other for a
 // weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
 // 4-5 rows of x, 6-7 panels.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 template <bool TWO_ROWS, bool TWO_PANELS>
 inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K, float* c) {
   _tile_zero(0);
@@ -501,11 +498,8 @@ inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64
 void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
                    const float*, int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
                    int64_t ldy) {
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = AMX_ROWS;
-  }
+  static_assert(AMX_ROWS == splitserve_amx::ROWS, "tiles of AMX_ROWS rows");
+  const splitserve_amx::Config cfg;
   _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
   const uint8_t* p = static_cast<const uint8_t*>(panels);
   const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);

@@ -40,8 +40,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -877,28 +876,11 @@ inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, in
 // extra products add exact zeros).  tdpbf16ps rounds its sums unlike
 // vdpbf16ps, so such a machine runs AMX for every bfloat16 prompt row, and a
 // row's bits still depend on its own sequence alone.
-constexpr int64_t AR = 16;  // rows of an AMX tile
+constexpr int64_t AR = splitserve_amx::ROWS;  // rows of an AMX tile
 
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux lets a process use the tiles once it asks (ARCH_REQ_XCOMP_PERM).
-inline bool amx_allowed() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023L, 18L) == 0;
-  return ok;
-}
-
-// Tiles 0 (sums), 4 (A) and 6 (B), each 16 rows of 64 bytes; per task, as
-// the thread may have run other tile code in between.
+// Per task, as the thread may have run other tile code in between.
 inline void amx_configure() {
-  AmxConfig cfg;
-  for (int t : {0, 4, 6}) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = AR;
-  }
+  const splitserve_amx::Config cfg;
   _tile_loadconfig(&cfg);
 }
 
@@ -982,7 +964,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   // bfloat16 rows on AMX tiles (above) where the CPU has them and D allows.
   bool amx = false;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  amx = any16 && D % 32 == 0 && amx_allowed();
+  amx = any16 && D % 32 == 0 && splitserve_amx::tiles_allowed();
 #endif
   // AMX reads values 32 keys at a time: the keys after the last tile, up to
   // the block's end, are packed as zeros too.
@@ -1307,7 +1289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_bf16_supported", [] { return prefill::HAS_BF16; });
   m.def("prefill_amx", [] {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    return prefill::amx_allowed();
+    return splitserve_amx::tiles_allowed();
 #else
     return false;
 #endif
