@@ -468,7 +468,9 @@ def main() -> int:
     p.add_argument("--decode-dtype", default="auto",
                    help="splitserve's decode dtype (int8: a float32 model's generated tokens through "
                         "its 4-bit layers with int8 inputs, batched decode then held to the int8 peak; "
-                        "bfloat16: with bfloat16 inputs, held to the bfloat16 peak)")
+                        "bfloat16: with bfloat16 inputs, held to the bfloat16 peak; bfloat16-weights: "
+                        "through bfloat16 panels of every projection and the head, held to the "
+                        "bfloat16 peak)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     p.add_argument("--out", default=None, help="directory for logs and runs.jsonl")
     args = p.parse_args()
@@ -551,7 +553,8 @@ def main() -> int:
                 ours[coloc.label] = served_dtype(dtype)
                 prompts_in[coloc.label] = ("bfloat16" if args.prefill_dtype == "bfloat16"
                                            else ours[coloc.label])
-                decodes_in[coloc.label] = decodes if decodes in ("int8", "bfloat16") else ours[coloc.label]
+                decodes_in[coloc.label] = ("bfloat16" if decodes == "bfloat16-weights" else decodes
+                                           if decodes in ("int8", "bfloat16") else ours[coloc.label])
                 for t, w in ((1, "mixed"), (2, "single"), (3, "decode32"), (3, "batch32")):
                     if t == 1 and 1 in only:
                         against(coloc, with_vllm, w)

@@ -12,7 +12,8 @@ Policy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # auto: the model's dtype
 PREFILL_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
-DECODE_DTYPES = ("auto", "int8", "bfloat16")  # auto: the model's dtype (engine/layers/packed_linear.py)
+# auto: the model's dtype (engine/layers/packed_linear.py)
+DECODE_DTYPES = ("auto", "int8", "bfloat16", "bfloat16-weights")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -30,7 +31,9 @@ class ModelConfig:
     prefill_dtype: str = "auto"
     # int8: a float32 model's generated tokens (decodes, drafts) through its 4-bit
     # layers and 8-bit head with x quantized to int8 per block of 32 inputs; bfloat16: through
-    # its 4-bit layers with x rounded to bfloat16 (AVX512-BF16 and VBMI); auto: in `dtype`.
+    # its 4-bit layers with x rounded to bfloat16 (AVX512-BF16 and VBMI); bfloat16-weights:
+    # through bfloat16 panels of every projection and the head (AVX512-BF16; AMX tiles where
+    # the CPU has them); auto: in `dtype`.
     decode_dtype: str = "auto"
 
     def __post_init__(self) -> None:

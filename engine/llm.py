@@ -51,7 +51,9 @@ class LLM:
             4-bit layers and 8-bit head: generated tokens' inputs quantized to int8 per block of
             32, integer dot products, AVX512-VNNI where present) or bfloat16 (a float32 model's
             4-bit layers: generated tokens' inputs rounded to bfloat16, the weights exact; CPUs
-            with AVX512-BF16 and VBMI); prompt tokens keep their path."""
+            with AVX512-BF16 and VBMI) or bfloat16-weights (any float32 model: every projection
+            and the head on bfloat16 panels, on AMX tiles where the CPU has them; CPUs with
+            AVX512-BF16); prompt tokens keep their path."""
         config = engine_config(
             model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -214,7 +215,7 @@ class ModelRunner:
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
         self.head_rows: PromptRows | None = None  # decode_dtype int8/bfloat16: the head's rows by path
         self.quantized_decodes = ""
-        if model_config.decode_dtype in ("int8", "bfloat16"):
+        if model_config.decode_dtype != "auto":
             self.prompt_rows = self._quantized_decodes(model_config.decode_dtype)
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
@@ -238,13 +239,17 @@ class ModelRunner:
 
     @property
     def decode_dtype(self) -> str:
-        """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16" or ""."""
+        """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16",
+        "bfloat16-weights" or ""."""
         return self.quantized_decodes
 
     def _quantized_decodes(self, dtype: str) -> PromptRows:
         """decode_dtype int8 or bfloat16: a float32 model's 4-bit layers run
-        generated tokens on that kernel; the returned rows are set per step."""
+        generated tokens on that kernel; bfloat16-weights: every packed layer
+        runs them on its bfloat16 panels.  The returned rows are set per step."""
         kernel = load_linear_kernel() if self.device.type == "cpu" else None
+        if dtype == "bfloat16-weights":
+            return self._bf16_weight_decodes(kernel)
         bf16 = dtype == "bfloat16"
         if self.dtype != torch.float32 or kernel is None or (bf16 and not kernel.q4bf16_supported()):
             where = "a CPU with AVX512-BF16 and AVX512-VBMI" if bf16 else "a CPU"
@@ -265,6 +270,19 @@ class ModelRunner:
             log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
                      "(the same results)", kernel.isa())
         self.model.enable_int8_decodes(rows, self.head_rows)
+        return rows
+
+    def _bf16_weight_decodes(self, kernel: ModuleType | None) -> PromptRows:
+        if self.dtype != torch.float32 or kernel is None or not kernel.bf16_supported():
+            kernels = ("unavailable" if kernel is None else "built" if kernel.bf16_supported()
+                       else "built, the CPU without it")
+            raise ValueError("decode_dtype: bfloat16-weights needs a float32 model on a CPU with AVX512-BF16 "
+                             f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
+                             f"{self.device.type}, CPU kernels {kernels})")
+        if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
+            raise ValueError("decode_dtype: bfloat16-weights needs the packed CPU projections")
+        rows, self.head_rows, self.quantized_decodes = PromptRows(), PromptRows(), "bfloat16-weights"
+        self.model.enable_bf16_weight_decodes(rows, self.head_rows)
         return rows
 
     def _bf16_prompts(self, rows: PromptRows | None) -> PromptRows:

@@ -306,6 +306,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer, PackedLinear):
                 layer.enable_bf16_decodes(head_rows if path == "lm_head" else rows)
 
+    def enable_bf16_weight_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
+        """decode_dtype=bfloat16-weights: every packed projection runs the rows
+        `rows` does not mark as prompt tokens on bfloat16 panels, and the head
+        those `head_rows` does not mark."""
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if isinstance(layer, PackedLinear):
+                layer.enable_bf16_weights(head_rows if path == "lm_head" else rows)
+
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for path in self.linear_names():

@@ -1,6 +1,7 @@
-"""--decode-dtype int8 and bfloat16 on the real model: generated tokens
-through the 4-bit layers with x quantized to int8 (or rounded to bfloat16),
-prompt tokens exact.  A request's tokens and logprobs do not depend on the
+"""--decode-dtype int8, bfloat16 and bfloat16-weights on the real model:
+generated tokens through the 4-bit layers with x quantized to int8 (or
+rounded to bfloat16), or through bfloat16 panels of every projection and the
+head, prompt tokens exact.  A request's tokens and logprobs do not depend on the
 batch around it or on a prefix-cache hit (a chat's next turn included, whose
 prompt holds tokens generated before); the path was taken (they differ from
 the float32 engine's); speculative decoding gives the tokens decoding one at
@@ -16,13 +17,20 @@ from tests.unit.test_linear_q4bf16 import Q4BF16_CPU
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 from .procs import start_pair, stop_all
+from .test_prefill_bf16 import BF16_CPU
 from .test_workers import generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPT = "A long note on the harbour: the tides, the moon, the boats and the people who mend the nets. " * 5
 OTHERS = ["Short one.", "Another prompt, somewhat longer than the first, about trains and timetables " * 2]
 # bfloat16 decodes: AVX512-BF16 and VBMI (q4bf16_linear)
-DECODES = ["int8", pytest.param("bfloat16", marks=needs_q4bf16)]
+# bfloat16-weights: AVX512-BF16 (bf16_linear)
+needs_bf16 = pytest.mark.skipif(not BF16_CPU, reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), "
+                                                     "which --decode-dtype bfloat16-weights needs")
+DECODES = ["int8", pytest.param("bfloat16", marks=needs_q4bf16),
+           pytest.param("bfloat16-weights", marks=needs_bf16)]
+# The flag each decode path sets on a packed layer that takes it.
+PATH_FLAG = {"int8": "int8", "bfloat16": "bf16_decodes", "bfloat16-weights": "bf16_weights"}
 
 
 def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
@@ -36,13 +44,16 @@ def _llm(decode_dtype: str, cache: bool = True, **kw) -> LLM:  # type: ignore[no
                decode_dtype=decode_dtype, enable_prefix_caching=cache, **kw)
 
 
-@pytest.mark.parametrize("decodes", ["int8", "bfloat16"])
+@pytest.mark.parametrize("decodes", ["int8", "bfloat16", "bfloat16-weights"])
 def test_refused_where_it_cannot_run(decodes: str) -> None:
     for dtype in ("float16", "bfloat16"):
         with pytest.raises(ValueError, match=f"decode_dtype: {decodes} needs a float32 model on a CPU"):
             LLM(dtype=dtype, num_blocks=16, num_threads=1, decode_dtype=decodes)
     if decodes == "bfloat16" and not Q4BF16_CPU:  # a float32 model, on a CPU without the instructions
         with pytest.raises(ValueError, match="AVX512-BF16 and AVX512-VBMI .*the CPU without them"):
+            LLM(dtype="float32", num_blocks=16, num_threads=1, decode_dtype=decodes)
+    if decodes == "bfloat16-weights" and not BF16_CPU:
+        with pytest.raises(ValueError, match="AVX512-BF16 .*the CPU without it"):
             LLM(dtype="float32", num_blocks=16, num_threads=1, decode_dtype=decodes)
 
 
@@ -51,9 +62,9 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_quantized(decodes: s
     llm = _llm(decodes)
     runner = llm.engine.runner
     layer, head = runner.model.layers[0].down_proj, runner.model.lm_head
-    assert runner.decode_dtype == decodes and (layer.int8 if decodes == "int8" else layer.bf16_decodes)
+    assert runner.decode_dtype == decodes and getattr(layer, PATH_FLAG[decodes])
     # the 8-bit head too
-    assert (head.int8 if decodes == "int8" else head.bf16_decodes) and head.q8 is not None
+    assert getattr(head, PATH_FLAG[decodes]) and head.q8 is not None
     assert llm.engine.kv.prompt_blocks_only
     ids = llm.tokenizer.encode(PROMPT)
     others = [llm.tokenizer.encode(p) for p in OTHERS]
@@ -98,6 +109,19 @@ def test_bfloat16_decodes_round_less_than_int8() -> None:
     gap = {d: max(abs(a - b) for a, b in zip(lps[d][1], lps["auto"][1], strict=True))
            for d in ("int8", "bfloat16")}
     assert 0 < gap["bfloat16"] < gap["int8"] / 4, gap
+
+
+@needs_bf16
+def test_bfloat16_weight_decodes_round_less_than_int8() -> None:
+    """Weights and x round to bfloat16 (8 bits of mantissa each), summed in
+    float32: closer to the exact engine than int8's inputs."""
+    ids = _llm("auto").tokenizer.encode(PROMPT)
+    lps = {d: _tokens_and_logprobs(_llm(d).generate(ids, GREEDY)[0])
+           for d in ("auto", "int8", "bfloat16-weights")}
+    assert lps["bfloat16-weights"][0] == lps["auto"][0]  # the same tokens on this prompt
+    gap = {d: max(abs(a - b) for a, b in zip(lps[d][1], lps["auto"][1], strict=True))
+           for d in ("int8", "bfloat16-weights")}
+    assert 0 < gap["bfloat16-weights"] < gap["int8"] / 4, gap
 
 
 @pytest.mark.parametrize("decodes", DECODES)

@@ -11,7 +11,7 @@ from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
-from tests.unit.test_linear_isa import q4_weight
+from tests.unit.test_linear_isa import assert_rows_on_their_paths, packed_layers, q4_weight
 
 
 # Each test runs on both bfloat16 kernels where the CPU has them: vdpbf16ps
@@ -126,6 +126,33 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     assert not torch.equal(bf[2:14], exact[2:14])  # the paths do differ
     rows.runs = ((0, 40, True),)
     assert torch.equal(layer.forward(x), bf)
+
+
+def test_generated_rows_on_the_bf16_panels(kernel) -> None:  # type: ignore[no-untyped-def]
+    """decode_dtype=bfloat16-weights: generated rows through the bfloat16 panels,
+    prompt rows exact (or on the same panels, one copy, under prefill_dtype=
+    bfloat16); a 4-bit layer, an 8-bit head and a plain float32 one alike."""
+    gen = torch.Generator().manual_seed(5)
+    layer, head = packed_layers(kernel, gen)
+    plain = PackedLinear(nn.Linear(96, 30), kernel)
+    assert plain.q4 is None and plain.q8 is None
+    x = torch.randn(40, 96, generator=gen)
+    for lin in (layer, head, plain):
+        rows = PromptRows()
+        exact = lin.forward(x)
+        lin.enable_bf16_weights(rows)
+        assert lin.bf16_weights and not lin.bf16_prompts
+        bf = kernel.bf16_linear(x, lin.bf16, lin.out_features, lin.bias)
+        w = lin.weight()
+        tol = 1e-5 * (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T) + 1e-6
+        assert ((bf.double() - reference(x, w, lin.bias)).abs() <= tol).all()  # the weight rounded
+        assert not torch.equal(bf, exact)  # the paths do differ
+        assert_rows_on_their_paths(lin, rows, x, bf, exact)
+        panels = lin.bf16
+        lin.enable_bf16(rows)  # prefill_dtype=bfloat16 too: the same panels, every row on them
+        assert lin.bf16 is panels and lin.bf16_prompts
+        rows.runs = row_runs([(1, 0), (20, 12)])
+        assert torch.equal(lin.forward(x[:21]), bf[:21])
 
 
 def test_the_flag_and_the_layout() -> None:
