@@ -58,7 +58,7 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 DECIDED = 0.25
 MIN_AGREEMENT = {"fp8_e4m3": (0.95, 0.99), "fp8_e5m2": (0.90, 0.95), "bf16_model": (0.95, 0.99),
                  "bfloat16": (0.99, 0.99), "float16": (0.99, 0.99), "bf16_prefill": (0.99, 0.99),
-                 "int8_decode": (0.93, 0.97), "bf16_decode": (0.99, 0.99)}
+                 "int8_decode": (0.93, 0.97), "bf16_decode": (0.99, 0.99), "bf16w_decode": (0.99, 0.99)}
 
 
 def _runner(model_dir, dtype: str, kv: str, prefill: str = "auto",  # type: ignore[no-untyped-def]
@@ -115,13 +115,14 @@ def greedy(reference, corpus):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "bf16_model", "bf16_prefill",
-                                "int8_decode", "bf16_decode"])
+                                "int8_decode", "bf16_decode", "bf16w_decode"])
 def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> None:  # type: ignore[no-untyped-def]
     """fp8 and bfloat16 caches in a float32 model against its float32 cache;
     bf16_model (a bfloat16 model and cache) is the yardstick; bf16_prefill: a
     float32 model and cache whose prompts ran through bfloat16 projections
     (--prefill-dtype bfloat16), the decode positions exact; int8_decode and
-    bf16_decode: the decode positions through --decode-dtype int8 or bfloat16."""
+    bf16_decode: the decode positions through --decode-dtype int8 or bfloat16;
+    bf16w_decode: through --decode-dtype bfloat16-weights."""
     if kv == "bf16_prefill":
         if not has("avx512_bf16"):  # the CPU's flag: a kernel that failed to build must fail here
             pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which --prefill-dtype "
@@ -136,6 +137,12 @@ def test_fp8_greedy_agreement(model_dir, corpus, reference, greedy, kv: str) -> 
             pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI, which --decode-dtype bfloat16 needs")
         runner = _runner(model_dir, "float32", "auto", decode="bfloat16")
         assert runner.decode_dtype == "bfloat16" and runner.model.layers[0].qkv_proj.bf16_decodes
+    elif kv == "bf16w_decode":
+        if not has("avx512_bf16"):
+            pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which --decode-dtype "
+                        "bfloat16-weights needs")
+        runner = _runner(model_dir, "float32", "auto", decode="bfloat16-weights")
+        assert runner.decode_dtype == "bfloat16-weights" and runner.model.lm_head.bf16_weights
     else:
         runner = _runner(model_dir, *(("bfloat16", "auto") if kv == "bf16_model" else ("float32", kv)))
         assert runner.kv_cache.dtype.itemsize == (2 if kv in ("bf16_model", "bfloat16", "float16") else 1)

@@ -117,11 +117,6 @@ void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
     for (int64_t kp = 0; kp < K / 2; ++kp) tile[kp * BF_TILE_ROWS + r] = bf16_pair(x + r * K + 2 * kp);
 }
 
-// Rows of x [rows, K] -> plain bfloat16 rows (pairs as above, K / 2 a row).
-void bf16_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t kp = 0; kp < K / 2; ++kp) out[r * (K / 2) + kp] = bf16_pair(x + r * K + 2 * kp);
-}
 
 // s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row
 // and block: fast-math off here, so the sums come out the same everywhere.
@@ -211,7 +206,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     TORCH_CHECK(K % 2 == 0, name, ": K must be even");
     static_assert(M_CHUNK % BF_TILE_ROWS == 0 && M_CHUNK % AMX_ROWS == 0, "row chunks start on a tile");
     const int64_t T = w.bf16_pairs ? BF_TILE_ROWS : AMX_ROWS, tiles = (M + T - 1) / T;
-    const auto convert = w.bf16_pairs ? bf16_tile_pairs : bf16_plain_rows;
+    const auto convert = w.bf16_pairs ? bf16_tile_pairs : kAmxPlainRows;  // AMX's plain rows
     pairs = at::empty({tiles * T, K / 2}, x2.options().dtype(at::kInt));
     uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
     std::memset(pp + M * (K / 2), 0, (tiles * T - M) * (K / 2) * sizeof(uint32_t));

@@ -24,6 +24,7 @@
 #endif
 #if defined(SPLITSERVE_ISA_AMX)
 #include "amx_tiles.h"
+#include "bf16_round.h"
 #endif
 
 namespace splitserve_linear {
@@ -471,9 +472,10 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
 // does not depend on its batch; the sums are not vdpbf16ps's bits (the two
 // instructions round differently), so a machine runs one or the other for a
 // weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
-// 4-5 rows of x, 6-7 panels.
+// 4-5 rows of x, 6-7 panels; sum tile t stored at c[t], c_stride bytes a row.
 template <bool TWO_ROWS, bool TWO_PANELS>
-inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K, float* c) {
+inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K,
+                      float* const (&c)[4], const int64_t (&c_stride)[4]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -489,10 +491,18 @@ inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64
     if constexpr (TWO_ROWS && TWO_PANELS) _tile_dpbf16ps(3, 5, 7);
   }
   // c: [row tile][panel] tiles of AMX_ROWS x 16 sums
-  _tile_stored(0, c, 64);
-  if constexpr (TWO_PANELS) _tile_stored(1, c + AMX_ROWS * NR, 64);
-  if constexpr (TWO_ROWS) _tile_stored(2, c + 2 * AMX_ROWS * NR, 64);
-  if constexpr (TWO_ROWS && TWO_PANELS) _tile_stored(3, c + 3 * AMX_ROWS * NR, 64);
+  _tile_stored(0, c[0], c_stride[0]);
+  if constexpr (TWO_PANELS) _tile_stored(1, c[1], c_stride[1]);
+  if constexpr (TWO_ROWS) _tile_stored(2, c[2], c_stride[2]);
+  if constexpr (TWO_ROWS && TWO_PANELS) _tile_stored(3, c[3], c_stride[3]);
+}
+
+// Rows of x [rows, K] -> plain bfloat16 rows (x[2 kp] low, x[2 kp + 1] high
+// in each uint32): linear_cpu.cpp's rounding (round_bits), compiled here so
+// that it runs AVX-512 wide.
+void amx_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < rows * K; ++i) o[i] = splitserve_bf16::round_bits(x[i]);
 }
 
 void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
@@ -504,22 +514,34 @@ void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, co
   const uint8_t* p = static_cast<const uint8_t*>(panels);
   const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
   const int64_t xstride = ldx * 4;
-  alignas(64) float c[4 * AMX_ROWS * NR];
+  alignas(64) float buf[4 * AMX_ROWS * NR];
   for (int64_t n = 0; n < np; n += 2) {
     const bool two_p = n + 1 < np;
     for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
       const bool two_r = m + AMX_ROWS < rows;
       const uint8_t* xm = xb + m * xstride;
       const uint8_t* pn = p + n * pbytes;
-      if (two_r && two_p) amx_block<true, true>(xm, xstride, pn, pbytes, K, c);
-      else if (two_r) amx_block<true, false>(xm, xstride, pn, pbytes, K, c);
-      else if (two_p) amx_block<false, true>(xm, xstride, pn, pbytes, K, c);
-      else amx_block<false, false>(xm, xstride, pn, pbytes, K, c);
+      // A whole tile of y without a bias is stored in place; others go
+      // through buf (rows or columns past y's, the bias added as copied).
+      float* c[4];
+      int64_t c_stride[4];
+      bool direct[4];
+      for (int64_t t = 0; t < 4; ++t) {
+        const int64_t m0 = m + t / 2 * AMX_ROWS, col = (n + t % 2) * NR;
+        direct[t] = bias == nullptr && m0 + AMX_ROWS <= rows && col + NR <= cols;
+        c[t] = direct[t] ? y + m0 * ldy + col0 + col : buf + t * AMX_ROWS * NR;
+        c_stride[t] = direct[t] ? ldy * 4 : 64;
+      }
+      if (two_r && two_p) amx_block<true, true>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_r) amx_block<true, false>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_p) amx_block<false, true>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else amx_block<false, false>(xm, xstride, pn, pbytes, K, c, c_stride);
       for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt)
         for (int64_t j = 0; j < (two_p ? 2 : 1); ++j) {
           const int64_t m0 = m + rt * AMX_ROWS;
-          store_tile(c + (rt * 2 + j) * AMX_ROWS * NR, min64(AMX_ROWS, rows - m0), bias, col0 + (n + j) * NR,
-                     min64(NR, cols - (n + j) * NR), y + m0 * ldy, ldy);
+          if (!direct[rt * 2 + j])
+            store_tile(buf + (rt * 2 + j) * AMX_ROWS * NR, min64(AMX_ROWS, rows - m0), bias, col0 + (n + j) * NR,
+                       min64(NR, cols - (n + j) * NR), y + m0 * ldy, ldy);
         }
     }
   }
@@ -1371,6 +1393,7 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 
 #if defined(SPLITSERVE_ISA_AMX)
 extern const RowsTimesPanels kAmxBf16Rows = amx_bf16_rows;
+extern const PlainRows kAmxPlainRows = amx_plain_rows;
 #elif defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
 extern const Q4Bf16Rows kQ8Bf16 = q8bf16_rows;

@@ -92,6 +92,9 @@ extern const RowsTimesPanels kBf16Rows;
 // multiple of AMX_ROWS.  Its float32 sums are not kBf16Rows's bits.
 constexpr int64_t AMX_ROWS = 16;
 extern const RowsTimesPanels kAmxBf16Rows;
+// Its x: float32 rows [rows, K] rounded to plain bfloat16 rows (K / 2 pairs a row).
+using PlainRows = void (*)(const float* x, int64_t rows, int64_t K, uint32_t* out);
+extern const PlainRows kAmxPlainRows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
 // decode_dtype=bfloat16: 4-bit blocks (as q4) times rows of x rounded to
