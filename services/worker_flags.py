@@ -64,13 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16 projections (CPUs with AVX512-BF16; about twice as fast), generated "
                         "tokens stay exact; prefill and decode must agree")
     g.add_argument("--decode-dtype", default=ModelConfig.decode_dtype, choices=DECODE_DTYPES,
-                   help="auto: generated tokens in --dtype; for a float32 model of 4-bit weights, "
-                        "int8 (inputs quantized to int8 per block of 32: integer dot products, about "
-                        "1.7x the decode steps of 32 sequences, less exact) or bfloat16 (inputs "
-                        "rounded to bfloat16, the weights exact; AVX512-BF16 and VBMI); for any "
-                        "float32 model, bfloat16-weights (the projections and head rounded to "
-                        "bfloat16 panels: AMX tiles where present, about 1.5x int8's decode steps of "
-                        "16 sequences there, 0.7x its single stream); prompt tokens keep their path")
+                   help="auto: generated tokens in --dtype; 4-bit float32 models: int8 (inputs "
+                        "int8 per block of 32, about 1.7x the decode steps of 32) or bfloat16 (inputs "
+                        "rounded, AVX512-BF16 and VBMI); any float32 model: bfloat16-weights "
+                        "(bfloat16 panels, AMX tiles where present); prompt tokens keep their path")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,

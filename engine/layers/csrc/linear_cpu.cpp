@@ -117,7 +117,6 @@ void bf16_tile_pairs(const float* x, int64_t rows, int64_t K, uint32_t* tile) {
     for (int64_t kp = 0; kp < K / 2; ++kp) tile[kp * BF_TILE_ROWS + r] = bf16_pair(x + r * K + 2 * kp);
 }
 
-
 // s[i, b] = x[i, 32 b] + x[i, 32 b + 1] + ... in that order, for every row
 // and block: fast-math off here, so the sums come out the same everywhere.
 __attribute__((optimize("no-fast-math"))) void block_sums(const float* x, int64_t rows, int64_t K, float* s) {
