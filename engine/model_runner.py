@@ -213,7 +213,7 @@ class ModelRunner:
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
-        self.head_rows: PromptRows | None = None  # decode_dtype int8/bfloat16: the head's rows by path
+        self.head_rows: PromptRows | None = None  # decode_dtype not auto: the head's rows by path
         self.quantized_decodes = ""
         if model_config.decode_dtype != "auto":
             self.prompt_rows = self._quantized_decodes(model_config.decode_dtype)

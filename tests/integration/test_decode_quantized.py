@@ -99,29 +99,18 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_quantized(decodes: s
           f"tokens equal: {exact[0] == cold[0]}")
 
 
-@needs_q4bf16
-def test_bfloat16_decodes_round_less_than_int8() -> None:
+@pytest.mark.parametrize("closer", [pytest.param("bfloat16", marks=needs_q4bf16),
+                                    pytest.param("bfloat16-weights", marks=needs_bf16)])
+def test_bfloat16_decodes_round_less_than_int8(closer: str) -> None:
     """Only x rounds under bfloat16 (8 bits of mantissa; int8 keeps about 7 of
-    a block's largest): its logprobs sit far closer to the exact engine's."""
+    a block's largest), x and the weights under bfloat16-weights: either's
+    logprobs sit far closer to the exact engine's."""
     ids = _llm("auto").tokenizer.encode(PROMPT)
-    lps = {d: _tokens_and_logprobs(_llm(d).generate(ids, GREEDY)[0]) for d in ("auto", "int8", "bfloat16")}
-    assert lps["bfloat16"][0] == lps["auto"][0]  # the same tokens on this prompt
+    lps = {d: _tokens_and_logprobs(_llm(d).generate(ids, GREEDY)[0]) for d in ("auto", "int8", closer)}
+    assert lps[closer][0] == lps["auto"][0]  # the same tokens on this prompt
     gap = {d: max(abs(a - b) for a, b in zip(lps[d][1], lps["auto"][1], strict=True))
-           for d in ("int8", "bfloat16")}
-    assert 0 < gap["bfloat16"] < gap["int8"] / 4, gap
-
-
-@needs_bf16
-def test_bfloat16_weight_decodes_round_less_than_int8() -> None:
-    """Weights and x round to bfloat16 (8 bits of mantissa each), summed in
-    float32: closer to the exact engine than int8's inputs."""
-    ids = _llm("auto").tokenizer.encode(PROMPT)
-    lps = {d: _tokens_and_logprobs(_llm(d).generate(ids, GREEDY)[0])
-           for d in ("auto", "int8", "bfloat16-weights")}
-    assert lps["bfloat16-weights"][0] == lps["auto"][0]  # the same tokens on this prompt
-    gap = {d: max(abs(a - b) for a, b in zip(lps[d][1], lps["auto"][1], strict=True))
-           for d in ("int8", "bfloat16-weights")}
-    assert 0 < gap["bfloat16-weights"] < gap["int8"] / 4, gap
+           for d in ("int8", closer)}
+    assert 0 < gap[closer] < gap["int8"] / 4, gap
 
 
 @pytest.mark.parametrize("decodes", DECODES)
