@@ -195,6 +195,6 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
 
 
 def test_the_option_is_named_when_wrong() -> None:
-    with pytest.raises(ValueError,
-                       match="decode_dtype: must be one of auto, int8, bfloat16, bfloat16-weights, got 'int4'"):
+    with pytest.raises(ValueError, match="decode_dtype: must be one of auto, int8, bfloat16, "
+                                         "bfloat16-weights, got 'int4'"):
         ModelConfig(decode_dtype="int4")
