@@ -214,9 +214,9 @@ class ModelRunner:
         self.bf16_attention = False
         self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
         self.head_rows: PromptRows | None = None  # decode_dtype not auto: the head's rows by path
-        self.quantized_decodes = ""
+        self.decodes = ""
         if model_config.decode_dtype != "auto":
-            self.prompt_rows = self._quantized_decodes(model_config.decode_dtype)
+            self.prompt_rows = self._decodes(model_config.decode_dtype)
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
@@ -241,9 +241,9 @@ class ModelRunner:
     def decode_dtype(self) -> str:
         """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16",
         "bfloat16-weights" or ""."""
-        return self.quantized_decodes
+        return self.decodes
 
-    def _quantized_decodes(self, dtype: str) -> PromptRows:
+    def _decodes(self, dtype: str) -> PromptRows:
         """decode_dtype int8 or bfloat16: a float32 model's 4-bit layers run
         generated tokens on that kernel; bfloat16-weights: every packed layer
         runs them on its bfloat16 panels.  The returned rows are set per step."""
@@ -262,14 +262,11 @@ class ModelRunner:
         if not isinstance(layer, PackedLinear) or layer.q4 is None:
             raise ValueError(f"decode_dtype: {dtype} needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or "
                              "GPTQ) on the packed CPU projections")
-        rows, self.head_rows, self.quantized_decodes = PromptRows(), PromptRows(), dtype
-        if bf16:
-            self.model.enable_bf16_decodes(rows, self.head_rows)
-            return rows
-        if not kernel.i8_vnni_supported():
+        rows, self.head_rows, self.decodes = PromptRows(), PromptRows(), dtype
+        if not bf16 and not kernel.i8_vnni_supported():
             log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
                      "(the same results)", kernel.isa())
-        self.model.enable_int8_decodes(rows, self.head_rows)
+        self.model.enable_decodes(dtype, rows, self.head_rows)
         return rows
 
     def _bf16_weight_decodes(self, kernel: ModuleType | None) -> PromptRows:
@@ -281,8 +278,8 @@ class ModelRunner:
                              f"{self.device.type}, CPU kernels {kernels})")
         if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
             raise ValueError("decode_dtype: bfloat16-weights needs the packed CPU projections")
-        rows, self.head_rows, self.quantized_decodes = PromptRows(), PromptRows(), "bfloat16-weights"
-        self.model.enable_bf16_weight_decodes(rows, self.head_rows)
+        rows, self.head_rows, self.decodes = PromptRows(), PromptRows(), "bfloat16-weights"
+        self.model.enable_decodes("bfloat16-weights", rows, self.head_rows)
         return rows
 
     def _bf16_prompts(self, rows: PromptRows | None) -> PromptRows:

@@ -288,32 +288,18 @@ class LlamaForCausalLM(nn.Module):
                 layer.enable_bf16(rows)
         return rows
 
-    def enable_int8_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
-        """decode_dtype=int8: every layer's 4-bit projections run the rows
-        `rows` does not mark as prompt tokens on int8 inputs, and a quantized
-        head (4- or 8-bit) those `head_rows` does not mark."""
+    def enable_decodes(self, decode_dtype: str, rows: PromptRows, head_rows: PromptRows) -> None:
+        """decode_dtype int8 or bfloat16: every layer's 4-bit projections run the
+        rows `rows` does not mark as prompt tokens on int8 (or bfloat16) inputs,
+        and a quantized head (4- or 8-bit) those `head_rows` does not mark;
+        bfloat16-weights: every packed projection and the head on bfloat16
+        panels (PackedLinear.enable_int8, enable_bf16_decodes, enable_bf16_weights)."""
+        enable = {"int8": "enable_int8", "bfloat16": "enable_bf16_decodes",
+                  "bfloat16-weights": "enable_bf16_weights"}[decode_dtype]
         for path in self.linear_names():
             layer = self.get_submodule(path)
             if isinstance(layer, PackedLinear):
-                layer.enable_int8(head_rows if path == "lm_head" else rows)
-
-    def enable_bf16_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
-        """decode_dtype=bfloat16: every layer's 4-bit projections run the rows
-        `rows` does not mark as prompt tokens on bfloat16 inputs, and a
-        quantized head (4- or 8-bit) those `head_rows` does not mark."""
-        for path in self.linear_names():
-            layer = self.get_submodule(path)
-            if isinstance(layer, PackedLinear):
-                layer.enable_bf16_decodes(head_rows if path == "lm_head" else rows)
-
-    def enable_bf16_weight_decodes(self, rows: PromptRows, head_rows: PromptRows) -> None:
-        """decode_dtype=bfloat16-weights: every packed projection runs the rows
-        `rows` does not mark as prompt tokens on bfloat16 panels, and the head
-        those `head_rows` does not mark."""
-        for path in self.linear_names():
-            layer = self.get_submodule(path)
-            if isinstance(layer, PackedLinear):
-                layer.enable_bf16_weights(head_rows if path == "lm_head" else rows)
+                getattr(layer, enable)(head_rows if path == "lm_head" else rows)
 
     def packed_panels(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
