@@ -15,9 +15,9 @@
 //
 // A task is one sequence's span of up to PART_TOKENS positions, all heads at
 // once: a cache block's keys (and then its values) for one layer are one
-// contiguous run of memory, read once, front to back.  Each task keeps an
-// online softmax (running max m, running sum l, unnormalised output) per query
-// head in one pass over its blocks; a sequence longer than one span merges its
+// contiguous run of memory, read once, front to back.  Each task takes its
+// span's scores, then one softmax per query head over them (max m, sum l),
+// then the unnormalised output; a sequence longer than one span merges its
 // spans' partial results.  Spans are cut at fixed positions, so the order of
 // every sum depends on the sequence alone, never on the batch it runs in.
 #include <torch/extension.h>
@@ -261,16 +261,14 @@ inline f32x16 lane_sums(const f32x16 (&v)[16]) {
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// One head's online-softmax step over a block's n scores sh: the running max
-// m and sum l take the block in, sh becomes exp(score - new max), and the
-// factor the head's accumulator is rescaled by comes back (0 on the first
-// block).  AVX-512: 16 scores a register, read as the dot products stored
-// them (scalar reads of a vector store stall, waiting for it to land), with
-// the attention kernels' exp (exp_poly.h); a NaN score stays NaN.  Not
-// inlined: one body for every cache dtype, so that -ffast-math cannot
-// contract it differently in each (a float16 cache's sums are a float32
-// copy's, bit for bit).
-__attribute__((noinline)) float fold_block(float* __restrict__ sh, int64_t n, float& m, float& l) {
+// One head's softmax over a span's n scores sh: m becomes their max, sh
+// exp(score - m) and l their sum.  AVX-512: 16 scores a register, read as the
+// dot products stored them (scalar reads of a vector store stall, waiting for
+// it to land), with the attention kernels' exp (exp_poly.h); a NaN score
+// stays NaN.  Not inlined: one body for every cache dtype, so that
+// -ffast-math cannot contract it differently in each (a float16 cache's sums
+// are a float32 copy's, bit for bit).
+__attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, float& m, float& l) {
 #if defined(__AVX512F__)
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 vmax = neg_inf;
@@ -278,9 +276,8 @@ __attribute__((noinline)) float fold_block(float* __restrict__ sh, int64_t n, fl
     const __mmask16 k = n - i0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i0)) - 1);
     vmax = _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, k, sh + i0), vmax);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const float rescale = std::exp(m - m_new);
-  const __m512 mv = _mm512_set1_ps(m_new);
+  m = _mm512_reduce_max_ps(vmax);
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     const __mmask16 k = n - i0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i0)) - 1);
@@ -290,19 +287,12 @@ __attribute__((noinline)) float fold_block(float* __restrict__ sh, int64_t n, fl
     _mm512_mask_storeu_ps(sh + i0, k, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
   }
-  l = l * rescale + _mm512_reduce_add_ps(vsum);
-  m = m_new;
-  return rescale;
+  l = _mm512_reduce_add_ps(vsum);
 #else
-  float bmax = sh[0];
-  for (int64_t i = 1; i < n; ++i) bmax = std::max(bmax, sh[i]);
-  const float m_new = std::max(m, bmax);
-  const float rescale = std::exp(m - m_new);
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m_new); sum += sh[i]; }
-  l = l * rescale + sum;
-  m = m_new;
-  return rescale;
+  m = sh[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
+  l = 0.f;
+  for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - m); l += sh[i]; }
 #endif
 }
 
@@ -361,53 +351,62 @@ struct Partial {
 };
 
 // D_ > 0: head size known at compile time (unrolled, vectorised); 0: any.
+// Two passes over the span's blocks: every position's scores first (scores:
+// [Hq, PART_TOKENS]), then one softmax per head over all of them, then the
+// values weighted by it.  Folding block by block (an online softmax) put a
+// chain of reductions, a scalar exp and a rescale of the accumulators between
+// every 16 positions; a span's scores fit in L1 (Hq x 128 floats), and its
+// values, asked for during the first pass, wait in L2 for the second.
 template <typename scalar_t, int D_>
 void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
           int64_t t0, int64_t t1, const float* __restrict__ qf, int64_t Hq, int64_t Hkv,
           int64_t D_dyn, int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t s_head,
-          Partial out, float* __restrict__ scores /* [Hq, bs] */, float* __restrict__ kv_f /* [bs, Hkv, D] */) {
+          Partial out, float* __restrict__ scores /* [Hq, PART_TOKENS] */,
+          float* __restrict__ kv_f /* [bs, Hkv, D] */) {
+  constexpr int64_t PT = PART_TOKENS;
   const int64_t D = D_ > 0 ? D_ : D_dyn;
   const int64_t G = Hq / Hkv;
-  for (int64_t h = 0; h < Hq; ++h) { out.m[h] = -std::numeric_limits<float>::infinity(); out.l[h] = 0.f; }
+  const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t v_bytes = s_kv * static_cast<int64_t>(sizeof(scalar_t));
   std::fill(out.acc, out.acc + Hq * D, 0.f);
+  // Where RowLoad cannot widen rows in registers (fp8; AVX2 builds), the
+  // block's rows of a KV head as floats (and their stride): float32 rows
+  // where they are, others widened into kv_f first, all heads at once.
+  auto widen = [&](const scalar_t* rows, int64_t n) {
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (s_head == D && s_tok == Hkv * D)  // the block's rows are one run: widened in one pass
+        as_floats(rows, kv_f, n * Hkv * D);
+      else
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t hk = 0; hk < Hkv; ++hk)
+            as_floats(rows + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
+    }
+  };
+  auto head_rows = [&](const scalar_t* rows, int64_t hk) -> std::pair<const float*, int64_t> {
+    if constexpr (std::is_same_v<scalar_t, float>) return {rows + hk * s_head, s_tok};
+    else return {kv_f + hk * D, Hkv * D};
+  };
+  // Pass 1: the scores of every query head and position.
   for (int64_t t = t0; t < t1;) {
-    const int64_t blk = table[t / bs];
     const int64_t off = t % bs;
     const int64_t n = std::min(bs - off, t1 - t);  // positions of this block in the span
-    const scalar_t* kb = base + blk * s_blk + off * s_tok;
+    const scalar_t* kb = base + table[t / bs] * s_blk + off * s_tok;
+    float* sb = scores + (t - t0);
     // The next block lies elsewhere in memory, where the hardware prefetchers
-    // cannot guess: while this block computes, ask for the next one row by row.
+    // cannot guess: while this block computes, ask for the next one's keys
+    // and values, row by row.
     const char* next = t + n < t1 ? reinterpret_cast<const char*>(base + table[(t + n) / bs] * s_blk)
                                   : nullptr;
-    const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
-    // Scores for every query head and position of the block.
-    // Where RowLoad cannot widen rows in registers (fp8; AVX2 builds), the
-    // block's rows of a KV head as floats (and their stride): float32 rows
-    // where they are, others widened into kv_f first, all heads at once.
-    auto widen = [&](const scalar_t* rows) {
-      if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (s_head == D && s_tok == Hkv * D)  // the block's rows are one run: widened in one pass
-          as_floats(rows, kv_f, n * Hkv * D);
-        else
-          for (int64_t i = 0; i < n; ++i)
-            for (int64_t hk = 0; hk < Hkv; ++hk)
-              as_floats(rows + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
-      }
-    };
-    auto head_rows = [&](const scalar_t* rows, int64_t hk) -> std::pair<const float*, int64_t> {
-      if constexpr (std::is_same_v<scalar_t, float>) return {rows + hk * s_head, s_tok};
-      else return {kv_f + hk * D, Hkv * D};
-    };
     if constexpr (D_ > 0 && D_ % 16 == 0 && DW == 16) {
       // Rows widened in registers as they are read where RowLoad can, else
       // widened into kv_f first: the same sums either way.
-      if constexpr (!RowLoad<scalar_t>::value) widen(kb);
+      if constexpr (!RowLoad<scalar_t>::value) widen(kb, n);
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
         auto dots = [&](const auto* krows, int64_t kstride) {
           for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t h = hk * G + g0;
-            dot_rows_heads<D_>(qf + h * D, krows, kstride, n, scores + h * bs, bs, std::min<int64_t>(4, G - g0));
+            dot_rows_heads<D_>(qf + h * D, krows, kstride, n, sb + h * PT, PT, std::min<int64_t>(4, G - g0));
           }
         };
         if constexpr (RowLoad<scalar_t>::value) {
@@ -428,21 +427,23 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
             const float* __restrict__ qh = qf + h * D;
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
-            scores[h * bs + i] = s;
+            sb[h * PT + i] = s;
           }
         }
       }
     }
-    // Online softmax: fold the block into each head's running max and sum.
-    for (int64_t h = 0; h < Hq; ++h) {
-      const float rescale = fold_block(scores + h * bs, n, out.m[h], out.l[h]);
-      if (rescale != 1.f) {
-        float* a = out.acc + h * D;
-        for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-      }
-    }
-    // Values: acc_h += p_h,i v_i.
-    const scalar_t* vb = kb + s_kv;
+    t += n;
+  }
+  // Each head's softmax over the span: its max m, its sum l, scores -> weights.
+  for (int64_t h = 0; h < Hq; ++h) span_softmax(scores + h * PT, t1 - t0, out.m[h], out.l[h]);
+  // Pass 2: values, acc_h += p_h,i v_i.
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % bs;
+    const int64_t n = std::min(bs - off, t1 - t);
+    const scalar_t* vb = base + table[t / bs] * s_blk + off * s_tok + s_kv;
+    const float* pb = scores + (t - t0);
+    const char* next = t + n < t1 ? reinterpret_cast<const char*>(base + table[(t + n) / bs] * s_blk + s_kv)
+                                  : nullptr;
     if constexpr (D_ > 0 && D_ % DW == 0) {
       // Each head's accumulator stays in registers across the block's positions
       // (added to in memory, position by position, it was a store and a load
@@ -454,11 +455,10 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
         // The heads of a KV head together, its rows widened in registers.
         constexpr int64_t HM = kRowHeads<D_>;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
-          if (next != nullptr)
-            prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, hk, Hkv);
+          if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
           for (int64_t g0 = 0; g0 < G; g0 += HM) {
             const int64_t h = hk * G + g0;
-            add_weighted_rows_heads<D_>(out.acc + h * D, scores + h * bs, bs, vb + hk * s_head, s_tok, n,
+            add_weighted_rows_heads<D_>(out.acc + h * D, pb + h * PT, PT, vb + hk * s_head, s_tok, n,
                                         std::min(HM, G - g0));
           }
         }
@@ -466,24 +466,22 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       }
 #endif
       if (!grouped) {
-        widen(vb);
+        widen(vb, n);
         for (int64_t h = 0; h < Hq; ++h) {
-          if (next != nullptr)
-            prefetch_share(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)), n * row_bytes, h, Hq);
+          if (next != nullptr) prefetch_share(next, n * row_bytes, h, Hq);
           const auto [vrows, vstride] = head_rows(vb, h / G);
-          add_weighted_rows<D_>(out.acc + h * D, scores + h * bs, vrows, vstride, n);
+          add_weighted_rows<D_>(out.acc + h * D, pb + h * PT, vrows, vstride, n);
         }
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
         if (next != nullptr)
-          for (int64_t c = 0; c < row_bytes; c += 64)
-            prefetch_line(next + s_kv * static_cast<int64_t>(sizeof(scalar_t)) + i * row_bytes + c);
+          for (int64_t c = 0; c < row_bytes; c += 64) prefetch_line(next + i * row_bytes + c);
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           const float* vr = as_floats(vb + i * s_tok + hk * s_head, kv_f + (i * Hkv + hk) * D, D);
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = hk * G + g;
-            const float p = scores[h * bs + i];
+            const float p = pb[h * PT + i];
             float* __restrict__ a = out.acc + h * D;
             for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
           }
@@ -535,7 +533,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
     // fresh vectors were an allocation and 13 KB of zeroing each, 1% of a step).
     thread_local std::vector<float> qf, scores, kv_f;
     qf.resize(Hq * D);
-    scores.resize(Hq * bs);
+    scores.resize(Hq * PART_TOKENS);
     kv_f.resize(bs * Hkv * D);
     int64_t qb = -1;
     for (int64_t task = begin; task < end; ++task) {
