@@ -280,7 +280,8 @@ class PackedLinear(nn.Module):
 
     def enable_bf16_weights(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens on bfloat16 panels
-        (held once, shared with the prompt rows under enable_bf16)."""
+        (held once, shared with the prompt rows under enable_bf16); a layer of
+        4-bit blocks on AMX makes few rows' tiles from its blocks, the same bits."""
         self._hold_bf16()
         self.bf16_weights = True
         self.prompt_rows = rows
@@ -347,6 +348,8 @@ class PackedLinear(nn.Module):
         return self._exact(x, out)
 
     def _generated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bf16_weights and self.q4 is not None:
+            return self.kernel.bf16_q4_linear(x, self.bf16, self.q4, self.out_features, self.bias, out=out)
         if self.bf16_weights:
             return self.kernel.bf16_linear(x, self.bf16, self.out_features, self.bias, out=out)
         if self.bf16_decodes:
@@ -367,6 +370,11 @@ class PackedLinear(nn.Module):
         of an 11 ms step (Zen 3, engine steps interleaved in one process)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
         blocks: torch.Tensor | None
+        if self.bf16_weights and self.q4 is not None:
+            # The panels' bits, made from the 4-bit blocks where AMX runs (few rows).
+            panels, q4 = self.bf16, self.q4
+            return (lambda x: kernel.bf16_q4_linear(x, panels, q4, n)) if bias is None else \
+                (lambda x: kernel.bf16_q4_linear(x, panels, q4, n, bias))
         if self.bf16_weights:
             fn, blocks = kernel.bf16_linear, self.bf16
         elif self.bf16_decodes and self.q4 is not None:

@@ -155,6 +155,28 @@ def test_generated_rows_on_the_bf16_panels(kernel) -> None:  # type: ignore[no-u
         assert torch.equal(lin.forward(x[:21]), bf[:21])
 
 
+# One AMX row tile, two, and past them (the panels).
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 70])
+def test_tiles_made_from_the_4bit_blocks_give_the_panels_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """decode_dtype=bfloat16-weights, a 4-bit layer: bf16_q4_linear makes
+    each AMX tile from the blocks the panels were rounded from (few rows), or
+    runs the panels (more rows, or vdpbf16ps): bf16_linear's bits either way."""
+    gen = torch.Generator().manual_seed(m)
+    for n, k_in in ((200, 96), (48, 576), (7, 64)):
+        lin = nn.Linear(k_in, n)
+        lin.weight.data = q4_weight(n, k_in, gen)
+        layer = PackedLinear(lin, kernel)
+        assert layer.q4 is not None
+        x = torch.randn(m, k_in, generator=gen)
+        layer.enable_bf16_weights(PromptRows())
+        panels = kernel.pack_bf16(layer.weight())
+        assert torch.equal(layer.bf16, panels)
+        for bias in (None, layer.bias):
+            want = kernel.bf16_linear(x, panels, n, bias)
+            assert torch.equal(kernel.bf16_q4_linear(x, panels, layer.q4, n, bias), want)
+        assert torch.equal(layer.forward(x), kernel.bf16_linear(x, panels, n, layer.bias))
+
+
 def test_the_flag_and_the_layout() -> None:
     with pytest.raises(ValueError, match="prefill_dtype"):
         ModelConfig(prefill_dtype="float16")

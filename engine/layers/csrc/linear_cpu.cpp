@@ -483,6 +483,41 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
   return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
 }
 
+// Up to this many rows bf16_q4_linear makes its tiles from the 4-bit blocks:
+// few rows are bound by reading the weights, and a block is 6 bits a weight
+// against the panels' 16 (Intel Xeon family 6 model 207, 2 cores: the 30
+// layers' projections at 16 rows 4.6 ms against the panels' 10.4).  Past
+// them the panels: a tile made once per 32 rows would cost more compute
+// than reading it.  Both give the same bits.
+constexpr int64_t AMX_Q4_MAX_ROWS = 2 * AMX_ROWS;
+
+bool amx_q4_cpu() {
+#if defined(__x86_64__)
+  static const bool ok = amx_cpu() && __builtin_cpu_supports("avx512vbmi");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// bf16_linear(x, panels) from the 4-bit blocks the panels were rounded from,
+// where AMX runs (amx_q4_cpu, not turned off by set_amx) and x has up to
+// AMX_Q4_MAX_ROWS rows; else bf16_linear on the panels.  The same bits.
+at::Tensor bf16_q4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.size(2) == NR &&
+                  panels.size(3) == 2 && panels.is_contiguous(),
+              "bf16_q4_linear: panels must be bfloat16 [P, K/2, 16, 2]");
+  const int64_t P = panels.size(0), K = panels.size(1) * 2;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(0) == P &&
+                  blocks.size(1) * QB == K && blocks.size(2) == Q4_BLOCK_BYTES && blocks.is_contiguous(),
+              "bf16_q4_linear: blocks must be the panels' uint8 [P, K/32, 384]");
+  const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  if (!(use_amx() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS)) return bf16_linear(x, panels, N, bias, out);
+  const Panels w{kAmxQ4Rows, blocks.data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
+  return run_linear("bf16_q4_linear", x, w, P, K, N, bias, out);
+}
+
 // ---- 4-bit blocks times bfloat16 rows (AVX512-BF16 + VBMI): generated tokens under decode_dtype=bfloat16 ----
 
 bool q4bf16_supported() {
@@ -856,6 +891,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
+  m.def("bf16_q4_linear", &bf16_q4_linear, nogil(),
+        "bf16_linear(x, panels)'s result from the 4-bit blocks the panels were rounded from, each tile made as "
+        "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
+        pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
+  m.def("amx_q4_supported", &amx_q4_cpu, "whether bf16_q4_linear makes its tiles from the 4-bit blocks here");
   m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
   m.def("set_amx", &set_amx,

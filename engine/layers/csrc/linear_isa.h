@@ -461,6 +461,58 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
 }
 
 #if defined(SPLITSERVE_ISA_AMX)
+// A 4-bit block (q4's layout: d[16] and m[16] float32, then 4 chunks of 64
+// bytes, chunk c's byte 4j + i holding q(8c + i, j) low and q(8c + 4 + i, j)
+// high) as the B tile its bfloat16 panels hold: row r the pairs (2r, 2r + 1)
+// of the block's 32 inputs, column j's pair in bytes 4j .. 4j + 3.  Each
+// weight is d q + m with the exact product and one rounding (q4_unpack's
+// float32 weight), rounded to nearest even bfloat16 as pack_bf16 rounds it:
+// the same bits.  (vcvtne2ps2bf16 flushes subnormals, but such a weight is a
+// multiple of 2^-24, d and m being float16 values: zero or normal.)  Column
+// j's pair of inputs (2t, 2t + 1) of a chunk half sits in its bytes 4j + 2t
+// and 4j + 2t + 1; kQ4TileIdx.v[t][g] moves those of columns 8g .. 8g + 7 to
+// the low bytes of lanes 0 .. 15 (lane 2j' + e: column 8g + j', input 2t + e).
+struct Q4TileIdx {
+  alignas(64) uint8_t v[2][2][64];
+  constexpr Q4TileIdx() : v{} {
+    for (int t = 0; t < 2; ++t)
+      for (int g = 0; g < 2; ++g)
+        for (int lane = 0; lane < 16; ++lane) v[t][g][4 * lane] = static_cast<uint8_t>(4 * (8 * g + lane / 2) + 2 * t + lane % 2);
+  }
+};
+constexpr Q4TileIdx kQ4TileIdx{};
+
+inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
+  const float* dm = reinterpret_cast<const float*>(blk);
+  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
+  const __m512 dg[2] = {_mm512_permutexvar_ps(pairs_lo, d), _mm512_permutexvar_ps(pairs_hi, d)};
+  const __m512 mg[2] = {_mm512_permutexvar_ps(pairs_lo, m), _mm512_permutexvar_ps(pairs_hi, m)};
+  const __m512i idx[2][2] = {{_mm512_load_si512(kQ4TileIdx.v[0][0]), _mm512_load_si512(kQ4TileIdx.v[0][1])},
+                             {_mm512_load_si512(kQ4TileIdx.v[1][0]), _mm512_load_si512(kQ4TileIdx.v[1][1])}};
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512 q_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  constexpr __mmask64 lane_low_bytes = 0x1111111111111111ull;
+  const uint8_t* q = blk + 2 * NR * 4;
+  for (int c = 0; c < QB / 8; ++c) {
+    const __m512i raw = _mm512_loadu_si512(q + c * 64);
+    const __m512i half[2] = {_mm512_and_si512(raw, low4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)};
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 2; ++t) {
+        __m512 w[2];
+        for (int g = 0; g < 2; ++g) {
+          const __m512i qv = _mm512_maskz_permutexvar_epi8(lane_low_bytes, idx[t][g], half[h]);
+          // q as a float: converted in one half, looked up (vpermps) in the
+          // other, to share the work between the vector ports
+          const __m512 qf = g == 0 ? _mm512_cvtepi32_ps(qv) : _mm512_permutexvar_ps(qv, q_values);
+          w[g] = _mm512_fmadd_ps(qf, dg[g], mg[g]);
+        }
+        _mm512_store_si512(out + (4 * c + 2 * h + t) * 64, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0])));
+      }
+  }
+}
+
 // The same bfloat16 panels on AMX tiles (Sapphire Rapids and later), for
 // prompts' rows under prefill_dtype=bfloat16 where K is a multiple of 32: a
 // panel's 16 pairs (k, k + 1) of a block of 32 inputs are, as stored, the 16
@@ -473,17 +525,30 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
 // instructions round differently), so a machine runs one or the other for a
 // weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
 // 4-5 rows of x, 6-7 panels; sum tile t stored at c[t], c_stride bytes a row.
-template <bool TWO_ROWS, bool TWO_PANELS>
+// Q4: p holds 4-bit blocks (pbytes a panel), each block made into its tile
+// (q4_bf16_tile) as it is needed: a step of few rows reads 6 bits a weight
+// instead of the panels' 16, for the panels' bits.
+template <bool TWO_ROWS, bool TWO_PANELS, bool Q4>
 inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K,
                       float* const (&c)[4], const int64_t (&c_stride)[4]) {
+  alignas(64) uint8_t made[2][16 * 64];  // Q4: a block's tile for each panel
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < K / QB; ++kb) {
     _tile_loadd(4, x + kb * 64, xstride);
-    _tile_loadd(6, p + kb * 16 * 64, 64);
-    if constexpr (TWO_PANELS) _tile_loadd(7, p + pbytes + kb * 16 * 64, 64);
+    if constexpr (Q4) {
+      q4_bf16_tile(p + kb * Q4_BLOCK_BYTES, made[0]);
+      _tile_loadd(6, made[0], 64);
+      if constexpr (TWO_PANELS) {
+        q4_bf16_tile(p + pbytes + kb * Q4_BLOCK_BYTES, made[1]);
+        _tile_loadd(7, made[1], 64);
+      }
+    } else {
+      _tile_loadd(6, p + kb * 16 * 64, 64);
+      if constexpr (TWO_PANELS) _tile_loadd(7, p + pbytes + kb * 16 * 64, 64);
+    }
     if constexpr (TWO_ROWS) _tile_loadd(5, x + AMX_ROWS * xstride + kb * 64, xstride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (TWO_PANELS) _tile_dpbf16ps(1, 4, 7);
@@ -505,9 +570,9 @@ void amx_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
   for (int64_t i = 0; i < rows * K; ++i) o[i] = splitserve_bf16::round_bits(x[i]);
 }
 
-void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
-                   const float*, int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
-                   int64_t ldy) {
+template <bool Q4>
+void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx, const float*,
+              int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
   static_assert(AMX_ROWS == splitserve_amx::ROWS, "tiles of AMX_ROWS rows");
   const splitserve_amx::Config cfg;
   _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
@@ -532,10 +597,10 @@ void amx_bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, co
         c[t] = direct[t] ? y + m0 * ldy + col0 + col : buf + t * AMX_ROWS * NR;
         c_stride[t] = direct[t] ? ldy * 4 : 64;
       }
-      if (two_r && two_p) amx_block<true, true>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_r) amx_block<true, false>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_p) amx_block<false, true>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else amx_block<false, false>(xm, xstride, pn, pbytes, K, c, c_stride);
+      if (two_r && two_p) amx_block<true, true, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_r) amx_block<true, false, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_p) amx_block<false, true, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else amx_block<false, false, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
       for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt)
         for (int64_t j = 0; j < (two_p ? 2 : 1); ++j) {
           const int64_t m0 = m + rt * AMX_ROWS;
@@ -1392,7 +1457,8 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 }  // namespace
 
 #if defined(SPLITSERVE_ISA_AMX)
-extern const RowsTimesPanels kAmxBf16Rows = amx_bf16_rows;
+extern const RowsTimesPanels kAmxBf16Rows = amx_rows<false>;
+extern const RowsTimesPanels kAmxQ4Rows = amx_rows<true>;
 extern const PlainRows kAmxPlainRows = amx_plain_rows;
 #elif defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;

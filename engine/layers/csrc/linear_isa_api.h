@@ -92,6 +92,10 @@ extern const RowsTimesPanels kBf16Rows;
 // multiple of AMX_ROWS.  Its float32 sums are not kBf16Rows's bits.
 constexpr int64_t AMX_ROWS = 16;
 extern const RowsTimesPanels kAmxBf16Rows;
+// kAmxBf16Rows's bits from the 4-bit blocks (q4's layout, pbytes a panel) the
+// panels were rounded from, each block made into its tile as it is needed:
+// AMX with AVX512-VBMI (amx_q4_cpu()).
+extern const RowsTimesPanels kAmxQ4Rows;
 // Its x: float32 rows [rows, K] rounded to plain bfloat16 rows (K / 2 pairs a row).
 using PlainRows = void (*)(const float* x, int64_t rows, int64_t K, uint32_t* out);
 extern const PlainRows kAmxPlainRows;
