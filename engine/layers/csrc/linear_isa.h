@@ -477,7 +477,8 @@ struct Q4TileIdx {
   constexpr Q4TileIdx() : v{} {
     for (int t = 0; t < 2; ++t)
       for (int g = 0; g < 2; ++g)
-        for (int lane = 0; lane < 16; ++lane) v[t][g][4 * lane] = static_cast<uint8_t>(4 * (8 * g + lane / 2) + 2 * t + lane % 2);
+        for (int lane = 0; lane < 16; ++lane)
+          v[t][g][4 * lane] = static_cast<uint8_t>(4 * (8 * g + lane / 2) + 2 * t + lane % 2);
   }
 };
 constexpr Q4TileIdx kQ4TileIdx{};
@@ -508,7 +509,8 @@ inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
           const __m512 qf = g == 0 ? _mm512_cvtepi32_ps(qv) : _mm512_permutexvar_ps(qv, q_values);
           w[g] = _mm512_fmadd_ps(qf, dg[g], mg[g]);
         }
-        _mm512_store_si512(out + (4 * c + 2 * h + t) * 64, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0])));
+        const __m512i row = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
+        _mm512_store_si512(out + (4 * c + 2 * h + t) * 64, row);
       }
   }
 }
@@ -531,7 +533,7 @@ inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
 template <bool TWO_ROWS, bool TWO_PANELS, bool Q4>
 inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K,
                       float* const (&c)[4], const int64_t (&c_stride)[4]) {
-  alignas(64) uint8_t made[2][16 * 64];  // Q4: a block's tile for each panel
+  [[maybe_unused]] alignas(64) uint8_t made[2][16 * 64];  // Q4: a block's tile for each panel
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
