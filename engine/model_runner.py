@@ -249,7 +249,17 @@ class ModelRunner:
         runs them on its bfloat16 panels.  The returned rows are set per step."""
         kernel = load_linear_kernel() if self.device.type == "cpu" else None
         if dtype == "bfloat16-weights":
-            return self._bf16_weight_decodes(kernel)
+            self._check_bf16_weights(kernel)
+        else:
+            self._check_quantized_decodes(dtype, kernel)
+        rows, self.head_rows, self.decodes = PromptRows(), PromptRows(), dtype
+        self.model.enable_decodes(dtype, rows, self.head_rows)
+        return rows
+
+    def _check_quantized_decodes(self, dtype: str, kernel: ModuleType | None) -> None:
+        """decode_dtype int8 or bfloat16: refused, saying why, without a float32
+        model of 4-bit weights on the kernels they need; int8 without VNNI says
+        which kernels it runs on."""
         bf16 = dtype == "bfloat16"
         if self.dtype != torch.float32 or kernel is None or (bf16 and not kernel.q4bf16_supported()):
             where = "a CPU with AVX512-BF16 and AVX512-VBMI" if bf16 else "a CPU"
@@ -262,14 +272,13 @@ class ModelRunner:
         if not isinstance(layer, PackedLinear) or layer.q4 is None:
             raise ValueError(f"decode_dtype: {dtype} needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or "
                              "GPTQ) on the packed CPU projections")
-        rows, self.head_rows, self.decodes = PromptRows(), PromptRows(), dtype
         if not bf16 and not kernel.i8_vnni_supported():
             log.info("decode_dtype int8: no AVX512-VNNI/VBMI on this CPU; the integer kernels run on %s "
                      "(the same results)", kernel.isa())
-        self.model.enable_decodes(dtype, rows, self.head_rows)
-        return rows
 
-    def _bf16_weight_decodes(self, kernel: ModuleType | None) -> PromptRows:
+    def _check_bf16_weights(self, kernel: ModuleType | None) -> None:
+        """decode_dtype bfloat16-weights: refused, saying why, without a float32
+        model on the packed projections of a CPU with AVX512-BF16."""
         if self.dtype != torch.float32 or kernel is None or not kernel.bf16_supported():
             kernels = ("unavailable" if kernel is None else "built" if kernel.bf16_supported()
                        else "built, the CPU without it")
@@ -278,9 +287,6 @@ class ModelRunner:
                              f"{self.device.type}, CPU kernels {kernels})")
         if not isinstance(self.model.layers[0].qkv_proj, PackedLinear):
             raise ValueError("decode_dtype: bfloat16-weights needs the packed CPU projections")
-        rows, self.head_rows, self.decodes = PromptRows(), PromptRows(), "bfloat16-weights"
-        self.model.enable_decodes("bfloat16-weights", rows, self.head_rows)
-        return rows
 
     def _bf16_prompts(self, rows: PromptRows | None) -> PromptRows:
         kernel = load_linear_kernel() if self.device.type == "cpu" else None
