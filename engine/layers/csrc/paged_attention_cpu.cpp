@@ -709,34 +709,43 @@ struct Task {
   bool bf16;  // the rows are prompt tokens that attend in bfloat16 (below)
 };
 
-// Softmax of one row's block of scores s[0..BK), visible keys [a, e): the
-// running max m and sum l updated, s replaced by p (0 outside [a, e)), and the
-// factor for the row's output so far returned.  A row that sees every key of
-// the block takes the unmasked loop; its p and sum come out the same bits.
-inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, float& m, float& l, const vi& lane) {
+// Softmax of one row's block of scores s[0..n) (n a multiple of VW), visible
+// keys [a, e): the running max m and sum l updated, s replaced by p (0
+// outside [a, e)), and the factor for the row's output so far returned.  A
+// row that sees every key of the block takes the unmasked loop; its p and sum
+// come out the same bits.
+inline float softmax_block(float* __restrict__ s, int64_t a, int64_t e, int64_t n, float& m, float& l,
+                           const vi& lane) {
   vf sum = splat(0.f);
   float m_new;
-  if (a == 0 && e == BK) {
+  if (a == 0 && e == n) {
     vf mx = load(s);
-    for (int64_t j = VW; j < BK; j += VW) {
+    for (int64_t j = VW; j < n; j += VW) {
       const vf x = load(s + j);
       mx = x > mx ? x : mx;
     }
     float bmax = mx[0];
     for (int u = 1; u < VW; ++u) bmax = std::max(bmax, mx[u]);
     m_new = std::max(m, bmax);
-    for (int64_t j = 0; j < BK; j += VW) {
+    for (int64_t j = 0; j < n; j += VW) {
       const vf p = exp_neg(load(s + j) - m_new);
       store(s + j, p);
       sum += p;
     }
   } else {
     const int64_t j0 = a / VW * VW, j1 = (e + VW - 1) / VW * VW;
-    float bmax = s[a];
-    for (int64_t i = a + 1; i < e; ++i) bmax = std::max(bmax, s[i]);
+    const vf lowest = splat(-std::numeric_limits<float>::max());
+    vf mx = lowest;
+    for (int64_t j = j0; j < j1; j += VW) {  // the max of the visible lanes: any order, the same
+      const vi idx = lane + static_cast<int32_t>(j);
+      const vf x = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(e)) ? load(s + j) : lowest;
+      mx = x > mx ? x : mx;
+    }
+    float bmax = mx[0];
+    for (int u = 1; u < VW; ++u) bmax = std::max(bmax, mx[u]);
     m_new = std::max(m, bmax);
     std::fill(s, s + j0, 0.f);
-    std::fill(s + j1, s + BK, 0.f);
+    std::fill(s + j1, s + n, 0.f);
     for (int64_t j = j0; j < j1; j += VW) {
       const vi idx = lane + static_cast<int32_t>(j);
       const vf p = exp_neg(load(s + j) - m_new);
@@ -875,6 +884,10 @@ inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, in
 // vdpbf16ps, so such a machine runs AMX for every bfloat16 prompt row, and a
 // row's bits still depend on its own sequence alone.
 constexpr int64_t AR = splitserve_amx::ROWS;  // rows of an AMX tile
+// Keys per block on AMX tiles, where a block of BK would spend more on its
+// fixed costs (the output's rescale, tile loads and stores of it, a row's
+// reductions) than on its products.
+constexpr int64_t BKA = 256;
 
 // Per task, as the thread may have run other tile code in between.
 inline void amx_configure() {
@@ -882,17 +895,114 @@ inline void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// s[r][j0 .. n16) = q_r . keys, for 16 rows of q (bfloat16, D apart); kt: the block's key tiles.
-inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
-  for (int64_t j = j0; j < n16; j += KT) {
-    _tile_zero(0);
-    for (int64_t ks = 0; ks < D / 32; ++ks) {
-      _tile_loadd(4, q + ks * 32, D * 2);
-      _tile_loadd(6, kt + j * D + ks * 32 * KT, 64);
-      _tile_dpbf16ps(0, 4, 6);
-    }
-    _tile_stored(0, s + j, ls * 4);
+// Up to four tiles of sums at once (tiles 0-3): the A tile (tile 4) is
+// loaded once for each four B tiles (they take turns in 5-7), and the sums'
+// chains of tdpbf16ps are independent.  Each tile of sums adds its products
+// in the order a lone tile would.  GCC's tile intrinsics take tile numbers as
+// literal tokens: one statement per tile of sums T (0-3), its B tile
+// 5 + T % 3, where NT > T.
+#define SPLITSERVE_AMX_EACH(NT, STMT)   \
+  do {                                  \
+    STMT(0, 5);                         \
+    if constexpr (NT > 1) { STMT(1, 6); } \
+    if constexpr (NT > 2) { STMT(2, 7); } \
+    if constexpr (NT > 3) { STMT(3, 5); } \
+  } while (0)
+
+// s[r][j .. j + 16 NT) = q_r . keys, for 16 rows of q (bfloat16, D apart); kt: the block's key tiles.
+template <int NT>
+inline void qk_amx_tiles(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j, float* s, int64_t ls) {
+#define ZERO(T, B) _tile_zero(T)
+#define DOT(T, B)                                                  \
+  _tile_loadd(B, kt + (j + (T) * KT) * D + ks * 32 * KT, 64); \
+  _tile_dpbf16ps(T, 4, B)
+#define STORE(T, B) _tile_stored(T, s + j + (T) * KT, ls * 4)
+  SPLITSERVE_AMX_EACH(NT, ZERO);
+  for (int64_t ks = 0; ks < D / 32; ++ks) {
+    _tile_loadd(4, q + ks * 32, D * 2);
+    SPLITSERVE_AMX_EACH(NT, DOT);
   }
+  SPLITSERVE_AMX_EACH(NT, STORE);
+#undef ZERO
+#undef DOT
+#undef STORE
+}
+
+inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
+  int64_t j = j0;
+  for (; j + 4 * KT <= n16; j += 4 * KT) qk_amx_tiles<4>(q, D, kt, j, s, ls);
+  switch ((n16 - j) / KT) {
+    case 3: qk_amx_tiles<3>(q, D, kt, j, s, ls); break;
+    case 2: qk_amx_tiles<2>(q, D, kt, j, s, ls); break;
+    case 1: qk_amx_tiles<1>(q, D, kt, j, s, ls); break;
+    default: break;
+  }
+}
+
+// softmax_block for rows on AMX tiles, p written as bfloat16 (p16[0..n)) in
+// the same pass.  p is rounded to bfloat16 (8 significant bits) before its
+// products, so its exp need not carry float32's 24: 2^(x log2 e) as 2^k
+// times a degree-4 polynomial of the fraction in [-1/2, 1/2] (relative
+// error under 5e-5, a tenth of bfloat16's rounding step), about half the
+// instructions of exp_neg, which was most of these rows' time.  The sum l
+// adds p before its rounding, as the other paths do.
+inline __m512 exp2_bf16(__m512 t) {  // t <= 0
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);  // (ln 2)^i / i!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline float softmax_block_bf16(const float* __restrict__ s, int64_t a, int64_t e, int64_t n, float& m, float& l,
+                                uint16_t* __restrict__ p16) {
+  const int64_t j0 = a / KT * KT, j1 = (e + KT - 1) / KT * KT;
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i va = _mm512_set1_epi32(static_cast<int32_t>(a)), ve = _mm512_set1_epi32(static_cast<int32_t>(e));
+  auto seen = [&](int64_t j) -> __mmask16 {
+    if (j >= a && j + KT <= e) return 0xFFFF;
+    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    return _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, ve);
+  };
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  for (int64_t j = j0; j < j1; j += KT) mx = _mm512_mask_max_ps(mx, seen(j), mx, _mm512_loadu_ps(s + j));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
+  std::fill(p16, p16 + j0, uint16_t{0});
+  std::fill(p16 + j1, p16 + n, uint16_t{0});
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(-m_new * 1.44269504088896341f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; j += KT) {
+    const __m512 p = _mm512_maskz_mov_ps(seen(j), exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), log2e, shift)));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  const float rescale = exp_neg1(m - m_new);
+  l = l * rescale + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return rescale;
+}
+
+// o's dims d0 .. d0 + 16 NT += sum over key pairs jp0 .. jp1 of p . v (below).
+template <int NT>
+inline void pv_amx_tiles(const uint16_t* p, int64_t lp, int64_t jp0, int64_t jp1, const uint16_t* v, int64_t D,
+                         int64_t d0, float* o) {
+#define LOAD(T, B) _tile_loadd(T, o + d0 + (T) * KT, D * 4)
+#define DOT(T, B)                                               \
+  _tile_loadd(B, v + (jp * D + d0 + (T) * KT) * 2, D * 4); \
+  _tile_dpbf16ps(T, 4, B)
+#define STORE(T, B) _tile_stored(T, o + d0 + (T) * KT, D * 4)
+  SPLITSERVE_AMX_EACH(NT, LOAD);
+  for (int64_t jp = jp0; jp < jp1; jp += AR) {
+    _tile_loadd(4, p + jp * 2, lp * 2);
+    SPLITSERVE_AMX_EACH(NT, DOT);
+  }
+  SPLITSERVE_AMX_EACH(NT, STORE);
+#undef LOAD
+#undef DOT
+#undef STORE
 }
 
 // o[r][0 .. D) = o * rescale[r] + sum over key pairs jp0 .. jp1 (multiples of
@@ -901,22 +1011,21 @@ inline void pv_amx(int64_t rows, const uint16_t* p, int64_t lp, int64_t jp0, int
                    int64_t D, const float* rescale, float* o) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
-  for (int64_t d0 = 0; d0 < D; d0 += KT) {
-    _tile_loadd(0, o + d0, D * 4);
-    for (int64_t jp = jp0; jp < jp1; jp += AR) {
-      _tile_loadd(4, p + jp * 2, lp * 2);
-      _tile_loadd(6, v + (jp * D + d0) * 2, D * 4);
-      _tile_dpbf16ps(0, 4, 6);
-    }
-    _tile_stored(0, o + d0, D * 4);
+  int64_t d0 = 0;
+  for (; d0 + 4 * KT <= D; d0 += 4 * KT) pv_amx_tiles<4>(p, lp, jp0, jp1, v, D, d0, o);
+  switch ((D - d0) / KT) {
+    case 3: pv_amx_tiles<3>(p, lp, jp0, jp1, v, D, d0, o); break;
+    case 2: pv_amx_tiles<2>(p, lp, jp0, jp1, v, D, d0, o); break;
+    case 1: pv_amx_tiles<1>(p, lp, jp0, jp1, v, D, d0, o); break;
+    default: break;
   }
 }
 #else
-constexpr int64_t AR = 1;
+constexpr int64_t AR = 1, BKA = BK;
 #endif
 #else
 constexpr bool HAS_BF16 = false;
-constexpr int64_t AR = 1;
+constexpr int64_t AR = 1, BKA = BK;
 #endif
 
 template <typename scalar_t, typename cache_t>
@@ -1048,8 +1157,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
   parallel_claim(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     // Whole AMX tiles of rows (AR, 1 without AMX): a padded row is computed, never read.
     const int64_t RT = QB * G, RA = (RT + AR - 1) / AR * AR;
-    std::vector<float> qs(RT * D), o(RA * D), s(RA * BK), m(RT), l(RT), rescale(RA);
-    std::vector<uint16_t> qs16(any16 ? RA * D : 0), p16(any16 ? RA * BK : 0);
+    const int64_t bk_max = amx ? BKA : BK;
+    std::vector<float> qs(RT * D), o(RA * D), s(RA * bk_max), m(RT), l(RT), rescale(RA);
+    std::vector<uint16_t> qs16(any16 ? RA * D : 0), p16(any16 ? RA * bk_max : 0);
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (amx) amx_configure();
 #endif
@@ -1080,8 +1190,11 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
       }
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
       const int64_t khi = hi[rows - 1];  // rows run in position order
-      for (int64_t k0 = lo[0] / BK * BK; k0 < khi; k0 += BK) {
-        const int64_t k1 = std::min(k0 + BK, khi), n16 = (k1 - k0 + KT - 1) / KT * KT;
+      // Keys in blocks of bk from multiples of bk (a row's blocks are its own
+      // keys', whatever else its task holds): BKA on AMX tiles, BK elsewhere.
+      const int64_t bk = amx && task.bf16 ? BKA : BK;
+      for (int64_t k0 = lo[0] / bk * bk; k0 < khi; k0 += bk) {
+        const int64_t k1 = std::min(k0 + bk, khi), n16 = (k1 - k0 + KT - 1) / KT * KT;
         const float* kt = kp + k0 * D;
         const float* vb = vp + k0 * D;
         // Rows that see none of this block's keys stay as they are (rescale 1, p 0).
@@ -1093,7 +1206,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
             const int64_t r = std::min<int64_t>(AR, rows - r0);
             if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
             const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
-            qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, s.data() + r0 * BK, BK);
+            qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, s.data() + r0 * bk, bk);
           }
 #endif
           for (int64_t r0 = 0; !amx && r0 < rows; r0 += BR) {
@@ -1116,16 +1229,23 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
           const int64_t a = std::max(lo[rho], k0) - k0, e = std::min(hi[rho], k1) - k0;
           if (a >= e) {
             rescale[rho] = 1.f;
-            std::fill(s.data() + rho * BK, s.data() + (rho + 1) * BK, 0.f);
+            std::fill(s.data() + rho * bk, s.data() + (rho + 1) * bk, 0.f);
+            if (task.bf16) std::fill(p16.data() + rho * bk, p16.data() + (rho + 1) * bk, uint16_t{0});
             continue;
           }
-          rescale[rho] = softmax_block(s.data() + rho * BK, a, e, m[rho], l[rho], lane);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+          if (amx && task.bf16) {
+            rescale[rho] = softmax_block_bf16(s.data() + rho * bk, a, e, bk, m[rho], l[rho], p16.data() + rho * bk);
+            continue;
+          }
+#endif
+          rescale[rho] = softmax_block(s.data() + rho * bk, a, e, bk, m[rho], l[rho], lane);
         }
         if (task.bf16) {
 #if defined(__AVX512BF16__)
           // p in bfloat16 pairs; keys out of a row's sight have p = 0 (a pair
           // half out of sight adds 0 times a packed value, zeros past the end).
-          round_bf16(s.data(), p16.data(), rows * BK);
+          if (!amx) round_bf16(s.data(), p16.data(), rows * bk);  // AMX's rows wrote theirs
           const uint16_t* vb16 = vpack16.get() + (vb - vpack.get());
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
           for (int64_t r0 = 0; amx && r0 < rows; r0 += AR) {
@@ -1133,7 +1253,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
             const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
             if (a >= e) continue;
             // 16 pairs of keys at a time, from a's 16 (p is 0 outside a .. e).
-            pv_amx(r, p16.data() + r0 * BK, BK, a / 2 / AR * AR, std::min<int64_t>(BK / 2, ((e + 1) / 2 + AR - 1) / AR * AR),
+            pv_amx(r, p16.data() + r0 * bk, bk, a / 2 / AR * AR, std::min<int64_t>(bk / 2, ((e + 1) / 2 + AR - 1) / AR * AR),
                    vb16, D, rescale.data() + r0, o.data() + r0 * D);
           }
 #endif
