@@ -304,6 +304,10 @@ class PackedLinear(nn.Module):
             return self.decode(x)
         if len(runs) == 1:  # every row a prompt token
             return self._prompt(x)
+        if self.bf16_prompts and self.bf16_weights:
+            # Prompt and generated rows on the same bfloat16 panels: one call
+            # reads the weights once for both (the panels' bits either way).
+            return self._generated(x)
         y = x.new_empty(x.shape[0], self.out_features)
         for lo, hi, prompt in runs:
             (self._prompt if prompt else self._generated)(x[lo:hi], out=y[lo:hi])
