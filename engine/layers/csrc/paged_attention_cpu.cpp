@@ -33,6 +33,7 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -928,15 +929,22 @@ inline void qk_amx_tiles(const uint16_t* q, int64_t D, const uint16_t* kt, int64
 #undef AMX_STORE
 }
 
-inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
-  int64_t j = j0;
-  for (; j + 4 * KT <= n16; j += 4 * KT) qk_amx_tiles<4>(q, D, kt, j, s, ls);
-  switch ((n16 - j) / KT) {
-    case 3: qk_amx_tiles<3>(q, D, kt, j, s, ls); break;
-    case 2: qk_amx_tiles<2>(q, D, kt, j, s, ls); break;
-    case 1: qk_amx_tiles<1>(q, D, kt, j, s, ls); break;
+// f(i, std::integral_constant<int, NT>) over [from, to) in steps of NT tiles
+// of KT (four while four fit, then what is left).
+template <typename F>
+inline void by_four_tiles(int64_t from, int64_t to, F&& f) {
+  int64_t i = from;
+  for (; i + 4 * KT <= to; i += 4 * KT) f(i, std::integral_constant<int, 4>{});
+  switch ((to - i) / KT) {
+    case 3: f(i, std::integral_constant<int, 3>{}); break;
+    case 2: f(i, std::integral_constant<int, 2>{}); break;
+    case 1: f(i, std::integral_constant<int, 1>{}); break;
     default: break;
   }
+}
+
+inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
+  by_four_tiles(j0, n16, [&](int64_t j, auto nt) { qk_amx_tiles<decltype(nt)::value>(q, D, kt, j, s, ls); });
 }
 
 // softmax_block for rows on AMX tiles, p written as bfloat16 (p16[0..n)) in
@@ -1011,14 +1019,7 @@ inline void pv_amx(int64_t rows, const uint16_t* p, int64_t lp, int64_t jp0, int
                    int64_t D, const float* rescale, float* o) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
-  int64_t d0 = 0;
-  for (; d0 + 4 * KT <= D; d0 += 4 * KT) pv_amx_tiles<4>(p, lp, jp0, jp1, v, D, d0, o);
-  switch ((D - d0) / KT) {
-    case 3: pv_amx_tiles<3>(p, lp, jp0, jp1, v, D, d0, o); break;
-    case 2: pv_amx_tiles<2>(p, lp, jp0, jp1, v, D, d0, o); break;
-    case 1: pv_amx_tiles<1>(p, lp, jp0, jp1, v, D, d0, o); break;
-    default: break;
-  }
+  by_four_tiles(0, D, [&](int64_t d0, auto nt) { pv_amx_tiles<decltype(nt)::value>(p, lp, jp0, jp1, v, D, d0, o); });
 }
 #else
 constexpr int64_t AR = 1, BKA = BK;
