@@ -288,6 +288,7 @@ class PackedLinear(nn.Module):
         self.bf16_weights = True
         self.prompt_rows = rows
         self.decode = self._bind_generated()
+        self._fused_inputs = self._bind_fused_inputs()
 
     def stored(self) -> dict[str, torch.Tensor]:
         """The packed copies by suffix ("", "#q4", "#q8"), to save and pass back."""
@@ -317,9 +318,10 @@ class PackedLinear(nn.Module):
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(kernel.rms_norm(x, weight, eps, residual)): with a residual,
         residual += x first (in place) and the norm is of the sum.  Where the
-        rows are all generated tokens on the bfloat16 path, the kernel norms
-        each row as it rounds it: one call, no float32 copy between, the same
-        bits."""
+        rows are all generated tokens on a bfloat16 path, or every row runs on
+        the bfloat16 panels (decode_dtype=bfloat16-weights with
+        prefill_dtype=bfloat16), the kernel norms each row as it rounds it:
+        one call, no float32 copy between, the same bits."""
         fused = self._fused_now()
         if fused is not None:
             return fused[0](x, weight, eps, residual)
@@ -334,17 +336,26 @@ class PackedLinear(nn.Module):
 
     def _fused_now(self) -> FusedInputs | None:
         """The fused kernels where this step's rows are all generated tokens
-        (forward's decode path), else None."""
+        (forward's decode path), or every row runs on the same bfloat16 panels
+        (prompt and generated rows alike: enable_bf16 and enable_bf16_weights);
+        else None."""
         rows = self.prompt_rows
-        return None if rows is not None and rows.runs else self._fused_inputs
+        if rows is not None and rows.runs and not (self.bf16_prompts and self.bf16_weights):
+            return None
+        return self._fused_inputs
 
     def _bind_fused_inputs(self) -> FusedInputs | None:
         """forward_normed's and forward_silu's kernels, bound once, on the
-        bfloat16 decode path only (None elsewhere)."""
+        bfloat16 decode paths only (None elsewhere)."""
+        kernel, n, bias = self.kernel, self.out_features, self.bias
+        if self.bf16_weights and self.bf16 is not None:
+            # The bfloat16 panels (or tiles made from the 4-bit blocks, few rows, AMX): forward's path.
+            panels, q4 = self.bf16, self.q4
+            return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, q4, n, w, eps, res, bias),
+                    lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, q4, n, bias))
         blocks = self.q4 if self.q4 is not None else self.q8
         if not self.bf16_decodes or blocks is None:
             return None
-        kernel, n, bias = self.kernel, self.out_features, self.bias
         return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),
                 lambda gate_up: kernel.bf16_rows_silu_linear(gate_up, blocks, n, bias))
 

@@ -12,6 +12,7 @@ from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
 from tests.unit.test_linear_isa import assert_rows_on_their_paths, packed_layers, q4_weight
+from tests.unit.test_linear_q4bf16 import fused_case
 
 
 # Each test runs on both bfloat16 kernels where the CPU has them: vdpbf16ps
@@ -188,3 +189,65 @@ def test_the_flag_and_the_layout() -> None:
         check_compatible(plain, bf)
     with pytest.raises(ValueError, match="prefill_dtype"):
         KVLayout(**base, prefill_dtype="float16")
+
+
+# Up to two AMX row tiles (tiles made from the 4-bit blocks), past them, and a prompt's rows.
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 200])
+def test_fused_norm_and_silu_give_the_separate_calls_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """decode_dtype=bfloat16-weights: bf16_norm_linear is bf16_q4_linear (blocks
+    given) or bf16_linear of rms_norm, its residual updated the same way, and
+    bf16_silu_linear of silu_and_mul: bit for bit, with and without a bias."""
+    gen = torch.Generator().manual_seed(m + 7)
+    k_in, n = 96, 50
+    w = q4_weight(n, k_in, gen)
+    lin = nn.Linear(k_in, n)
+    lin.weight.data = w
+    layer = PackedLinear(lin, kernel)
+    assert layer.q4 is not None
+    panels = kernel.pack_bf16(w)
+    x, norm_w, stream = (torch.randn(m, k_in, generator=gen), torch.randn(k_in, generator=gen),
+                         torch.randn(m, k_in, generator=gen))
+    gate_up = torch.randn(m, 2 * k_in, generator=gen)
+    for blocks in (layer.q4, None):
+        for bias in (None, lin.bias.detach()):
+            assert torch.equal(kernel.bf16_norm_linear(x, panels, blocks, n, norm_w, 1e-5, bias=bias),
+                               kernel.bf16_linear(kernel.rms_norm(x, norm_w, 1e-5), panels, n, bias))
+            fused_stream, separate_stream = stream.clone(), stream.clone()
+            fused = kernel.bf16_norm_linear(x, panels, blocks, n, norm_w, 1e-6, fused_stream, bias)
+            separate = kernel.bf16_linear(kernel.rms_norm(x, norm_w, 1e-6, separate_stream), panels, n, bias)
+            assert torch.equal(fused, separate) and torch.equal(fused_stream, separate_stream)
+            assert torch.equal(fused_stream, stream + x)  # the residual add happened, in place
+            assert torch.equal(kernel.bf16_silu_linear(gate_up, panels, blocks, n, bias),
+                               kernel.bf16_linear(kernel.silu_and_mul(gate_up), panels, n, bias))
+
+
+def test_fused_norm_and_silu_check_their_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
+    panels = kernel.pack_bf16(torch.randn(16, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="bf16_silu_linear: x has 64 features, want 128"):
+        kernel.bf16_silu_linear(x, panels, None, 16)
+    with pytest.raises(RuntimeError, match="bf16_norm_linear: weight must be a contiguous float32"):
+        kernel.bf16_norm_linear(x, panels, None, 16, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="bf16_norm_linear: residual must be"):
+        kernel.bf16_norm_linear(x, panels, None, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
+    bad_blocks = torch.zeros(1, 2, 100, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"bf16_norm_linear: blocks must be the panels' uint8 \[P, K/32"):
+        kernel.bf16_norm_linear(x, panels, bad_blocks, 16, torch.ones(64), 1e-5)
+
+
+def test_packed_linear_fuses_on_the_bfloat16_weights_path(kernel) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16-weights: forward_normed / forward_silu equal forward after the
+    separate call, fused (one call) for generated rows, and for prompt rows
+    too where they share the panels (prefill_dtype=bfloat16)."""
+    layer, rows, check = fused_case(kernel)
+    layer.enable_bf16_weights(rows)
+    assert layer._fused_inputs is not None and layer._fused_now() is layer._fused_inputs
+    check()
+    rows.runs = ((0, 4, True), (4, 9, False))  # prompt rows on the exact path: the separate calls
+    assert layer._fused_now() is None
+    check()
+    layer.enable_bf16(rows)  # prompts on the same panels: fused for every row
+    assert layer._fused_now() is layer._fused_inputs
+    check()
+    rows.runs = ((0, 9, True),)
+    check()

@@ -5,6 +5,8 @@ and the prompt path."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -175,22 +177,29 @@ def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-unt
         kernel.bf16_rows_norm_linear(x, blocks[:, :, :100], 16, torch.ones(64), 1e-5)
 
 
-@needs_cpu
-def test_packed_linear_fuses_only_on_its_bfloat16_decode_path(kernel) -> None:  # type: ignore[no-untyped-def]
-    """forward_normed / forward_silu equal forward after the separate call, on
-    every path: fused where every row is a generated token in bfloat16, the
-    separate calls where prompt rows are in the step or decodes are exact."""
+def fused_case(kernel) -> tuple[PackedLinear, PromptRows, Callable[[], None]]:  # type: ignore[no-untyped-def]
+    """A 4-bit layer (96 -> 50, with a bias), the PromptRows it is given, and a
+    check that its forward_normed / forward_silu equal forward after the
+    separate call (rms_norm, silu_and_mul) on 9 rows."""
     layer, _ = packed_layers(kernel, torch.Generator().manual_seed(5))
     gen = torch.Generator().manual_seed(6)
     x, norm_w = torch.randn(9, 96, generator=gen), torch.randn(96, generator=gen)
     gate_up = torch.randn(9, 192, generator=gen)
-    rows = PromptRows()
 
     def check() -> None:
         normed = kernel.rms_norm(x, norm_w, 1e-5)
         assert torch.equal(layer.forward_normed(x, norm_w, 1e-5), layer.forward(normed))
         assert torch.equal(layer.forward_silu(gate_up), layer.forward(kernel.silu_and_mul(gate_up)))
 
+    return layer, PromptRows(), check
+
+
+@needs_cpu
+def test_packed_linear_fuses_only_on_its_bfloat16_decode_path(kernel) -> None:  # type: ignore[no-untyped-def]
+    """forward_normed / forward_silu equal forward after the separate call, on
+    every path: fused where every row is a generated token in bfloat16, the
+    separate calls where prompt rows are in the step or decodes are exact."""
+    layer, rows, check = fused_case(kernel)
     check()  # exact decodes: no fused kernel bound
     assert layer._fused_inputs is None
     layer.enable_bf16_decodes(rows)

@@ -43,6 +43,8 @@
 
 using namespace splitserve_linear;
 
+void norm_row(const float* xr, float* rr, const float* w, int64_t H, float eps, float* o);
+
 namespace {
 
 constexpr int64_t M_CHUNK = 192; // rows of x kept hot while the panels stream past
@@ -184,11 +186,36 @@ void each_task(int64_t M, int64_t P, int64_t N, int64_t G, const Fn& fn) {
   });
 }
 
+// What a bfloat16 projection does to its rows before it rounds them to
+// bfloat16, in place of a separate kernel call and the float32 copy between:
+// rms_norm (with its residual add) ahead of the qkv and gate/up projections,
+// silu(gate) * up ahead of the down projection.  Either gives the bits the
+// separate call (rms_norm, silu_and_mul) would have.
+struct RowPrologue {
+  const float* norm_w = nullptr;  // rows normed with these weights (and eps)
+  float eps = 0.f;
+  float* residual = nullptr;  // with norm_w: residual += x first, the norm is of the sum
+  bool silu_mul = false;  // x is [M, 2 K]: gate, then up
+  bool any() const { return norm_w != nullptr || silu_mul; }
+};
+
+// A row of x after the prologue (row t of the call's rows, x's row at `row`):
+// into `in` (K floats), or the row itself when there is none.
+const float* prologue_row(const RowPrologue& pro, const float* row, int64_t t, int64_t K, float* in) {
+  if (!pro.any()) return row;
+  if (pro.silu_mul) isa().silu_mul(row, K, 1, in);
+  else norm_row(row, pro.residual ? pro.residual + t * K : nullptr, pro.norm_w, K, pro.eps, in);
+  return in;
+}
+
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
+// A prologue (bfloat16 rows only) runs on each row before it is rounded.
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
-                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out);
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
+                      const RowPrologue& pro = {}) {
+  TORCH_CHECK(!pro.any() || w.bf16_pairs || w.bf16_rows, name, ": a prologue needs bfloat16 rows");
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -209,8 +236,20 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     pairs = at::empty({tiles * T, K / 2}, x2.options().dtype(at::kInt));
     uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>());
     std::memset(pp + M * (K / 2), 0, (tiles * T - M) * (K / 2) * sizeof(uint32_t));
+    const int64_t width = x2.size(1);
     parallel_claim(tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) convert(xp + t * T * K, std::min(T, M - t * T), K, pp + t * T * (K / 2));
+      thread_local std::vector<float> in;  // a tile's rows after the prologue
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t rows = std::min(T, M - t * T);
+        const float* tile = xp + t * T * width;
+        if (pro.any()) {
+          in.resize(static_cast<size_t>(T * K));
+          for (int64_t r = 0; r < rows; ++r)
+            prologue_row(pro, xp + (t * T + r) * width, t * T + r, K, in.data() + r * K);
+          tile = in.data();
+        }
+        convert(tile, rows, K, pp + t * T * (K / 2));
+      }
     });
     xp = reinterpret_cast<const float*>(pp);
     ldx = K / 2;
@@ -470,19 +509,6 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return padded.to(at::kBFloat16).view({P, NR, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(bf16_supported(), "bf16_linear: this CPU lacks AVX512-BF16");
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.size(2) == NR &&
-                  panels.size(3) == 2 && panels.is_contiguous(),
-              "bf16_linear: panels must be bfloat16 [P, K/2, 16, 2]");
-  const int64_t K = panels.size(1) * 2;
-  const bool amx = K % QB == 0 && use_amx();
-  const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
-                 false, !amx, amx};
-  return run_linear("bf16_linear", x, w, panels.size(0), K, N, bias, out);
-}
-
 // Up to this many rows bf16_q4_linear makes its tiles from the 4-bit blocks:
 // few rows are bound by reading the weights, and a block is 6 bits a weight
 // against the panels' 16 (Intel Xeon family 6 model 207, 2 cores, the
@@ -502,22 +528,87 @@ bool amx_q4_cpu() {
 #endif
 }
 
-// bf16_linear(x, panels) from the 4-bit blocks the panels were rounded from,
-// where AMX runs (amx_q4_cpu, not turned off by set_amx) and x has up to
-// AMX_Q4_MAX_ROWS rows; else bf16_linear on the panels.  The same bits.
-at::Tensor bf16_q4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
-                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+// The inputs K of bfloat16 panels [P, K/2, 16, 2], checked (and the CPU).
+int64_t bf16_panels_k(const char* name, const at::Tensor& panels) {
+  TORCH_CHECK(bf16_supported(), name, ": this CPU lacks AVX512-BF16");
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.size(2) == NR &&
                   panels.size(3) == 2 && panels.is_contiguous(),
-              "bf16_q4_linear: panels must be bfloat16 [P, K/2, 16, 2]");
-  const int64_t P = panels.size(0), K = panels.size(1) * 2;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(0) == P &&
-                  blocks.size(1) * QB == K && blocks.size(2) == Q4_BLOCK_BYTES && blocks.is_contiguous(),
-              "bf16_q4_linear: blocks must be the panels' uint8 [P, K/32, 384]");
-  const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-  if (!(use_amx() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS)) return bf16_linear(x, panels, N, bias, out);
-  const Panels w{kAmxQ4Rows, blocks.data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
-  return run_linear("bf16_q4_linear", x, w, P, K, N, bias, out);
+              name, ": panels must be bfloat16 [P, K/2, 16, 2]");
+  return panels.size(1) * 2;
+}
+
+// rms_norm's prologue (RowPrologue) for rows of x of K inputs: its weight and
+// eps, and the residual stream (like x) added first, if any; checked.
+RowPrologue norm_prologue(const char* name, const at::Tensor& x, int64_t K, const at::Tensor& weight, double eps,
+                          const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == K, name,
+              ": weight must be a contiguous float32 [", K, "]");
+  RowPrologue pro;
+  pro.norm_w = weight.data_ptr<float>();
+  pro.eps = static_cast<float>(eps);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
+                    residual->numel() == x.numel() && x.dim() >= 1 && x.size(-1) == K,
+                name, ": residual must be a contiguous float32 like x");
+    pro.residual = residual->data_ptr<float>();
+  }
+  return pro;
+}
+
+// x (after the prologue, if any) times bfloat16 panels [P, K/2, 16, 2]:
+// vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
+// the 4-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
+// not turned off by set_amx) and x has up to AMX_Q4_MAX_ROWS rows, each tile
+// is made from the blocks instead.  The same bits every way.
+at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
+                               const at::Tensor* blocks, int64_t N, const c10::optional<at::Tensor>& bias,
+                               const c10::optional<at::Tensor>& out, const RowPrologue& pro = {}) {
+  const int64_t P = panels.size(0), K = bf16_panels_k(name, panels);
+  const bool amx = K % QB == 0 && use_amx();
+  if (blocks != nullptr) {
+    TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
+                    blocks->size(1) * QB == K && blocks->size(2) == Q4_BLOCK_BYTES && blocks->is_contiguous(),
+                name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+    const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+    if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
+      const Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
+      return run_linear(name, x, w, P, K, N, bias, out, pro);
+    }
+  }
+  const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
+                 false, !amx, amx};
+  return run_linear(name, x, w, P, K, N, bias, out, pro);
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& out) {
+  return bf16_weights_linear("bf16_linear", x, panels, nullptr, N, bias, out);
+}
+
+// bf16_linear(x, panels), the tiles made from the 4-bit blocks where that runs.
+at::Tensor bf16_q4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  return bf16_weights_linear("bf16_q4_linear", x, panels, &blocks, N, bias, out);
+}
+
+// bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps,
+// residual), or of silu_and_mul(gate_up): each row normed (or gated) as it is
+// rounded, one call, the separate calls' bits.
+at::Tensor bf16_norm_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& blocks,
+                            int64_t N, const at::Tensor& weight, double eps,
+                            const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& bias) {
+  const char* name = "bf16_norm_linear";
+  const RowPrologue pro = norm_prologue(name, x, bf16_panels_k(name, panels), weight, eps, residual);
+  return bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N, bias, c10::nullopt, pro);
+}
+
+at::Tensor bf16_silu_linear(const at::Tensor& gate_up, const at::Tensor& panels,
+                            const c10::optional<at::Tensor>& blocks, int64_t N,
+                            const c10::optional<at::Tensor>& bias) {
+  RowPrologue pro;
+  pro.silu_mul = true;
+  return bf16_weights_linear("bf16_silu_linear", gate_up, panels, blocks.has_value() ? &*blocks : nullptr, N, bias,
+                             c10::nullopt, pro);
 }
 
 // ---- 4-bit blocks times bfloat16 rows (AVX512-BF16 + VBMI): generated tokens under decode_dtype=bfloat16 ----
@@ -563,19 +654,6 @@ __attribute__((noinline)) void norm_row(const float* xr, float* rr, const float*
   for (int64_t i = 0; i < H; ++i) o[i] = w[i] * (xr[i] * inv);
 }
 
-// What a decode projection does to its rows before it rounds them to
-// bfloat16, in place of a separate kernel call and the float32 copy between:
-// rms_norm (with its residual add) ahead of the qkv and gate/up projections,
-// silu(gate) * up ahead of the down projection.  Either gives the bits the
-// separate call (rms_norm, silu_and_mul) would have.
-struct RowPrologue {
-  const float* norm_w = nullptr;  // rows normed with these weights (and eps)
-  float eps = 0.f;
-  float* residual = nullptr;  // with norm_w: residual += x first, the norm is of the sum
-  bool silu_mul = false;  // x is [M, 2 K]: gate, then up
-  bool any() const { return norm_w != nullptr || silu_mul; }
-};
-
 // y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x rounded to
 // bfloat16 first (after the prologue's norm or silu_mul, if any).
 at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
@@ -594,17 +672,12 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
   float* sp = sums.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const int64_t width = x2.size(1);
-  const SiluRows silu = isa().silu_mul;
   parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> in;  // a row after the prologue
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
-      if (pro.any()) {
-        in.resize(static_cast<size_t>(K));
-        if (pro.silu_mul) silu(row, K, 1, in.data());
-        else norm_row(row, pro.residual ? pro.residual + t * K : nullptr, pro.norm_w, K, pro.eps, in.data());
-        row = in.data();
-      }
+      in.resize(static_cast<size_t>(K));
+      row = prologue_row(pro, row, t, K, in.data());
       for (int64_t kp = 0; kp < K / 2; ++kp)
         pp[t * (K / 2) + kp] = round_bits(row[2 * kp]) | (uint32_t{round_bits(row[2 * kp + 1])} << 16);
     }
@@ -649,18 +722,7 @@ at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, 
                                  const c10::optional<at::Tensor>& bias) {
   const char* name = "bf16_rows_norm_linear";
   const auto [q8, K] = blocks_kind(name, blocks);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == K, name,
-              ": weight must be a contiguous float32 [", K, "]");
-  RowPrologue pro;
-  pro.norm_w = weight.data_ptr<float>();
-  pro.eps = static_cast<float>(eps);
-  if (residual.has_value() && residual->defined()) {
-    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
-                    residual->numel() == x.numel() && x.dim() >= 1 && x.size(-1) == K,
-                name, ": residual must be a contiguous float32 like x");
-    pro.residual = residual->data_ptr<float>();
-  }
-  return bf16_rows_linear(name, x, blocks, q8, N, bias, c10::nullopt, pro);
+  return bf16_rows_linear(name, x, blocks, q8, N, bias, c10::nullopt, norm_prologue(name, x, K, weight, eps, residual));
 }
 
 // q4bf16_linear or q8bf16_linear of silu_and_mul(gate_up): gate_up is [.., 2 K].
@@ -898,6 +960,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
+  m.def("bf16_norm_linear", &bf16_norm_linear, nogil(),
+        "bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps, residual), normed as rounded",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
+        "bf16_q4_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
+        pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("amx_q4_supported", &amx_q4_cpu, "whether bf16_q4_linear makes its tiles from the 4-bit blocks here");
   m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
