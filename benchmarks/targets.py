@@ -432,18 +432,23 @@ def decode_fractions(rounds: list[PeakRound], dtype: str, params: int, layers: i
 
 def prefill_seconds(server: Server, tokens: int, runs: int = 3) -> float:
     """Median time of a completion of one token after a `tokens`-token prompt
-    (token ids, each run new, so no prefix cache hit)."""
+    (token ids, each run new, so no prefix cache hit).  One client for every
+    run, made before the clock starts: a new httpx client per request builds
+    its TLS context first, about 25 ms of the client's own (Intel Xeon, family
+    6 model 207: a 10-token prompt's round trip took 44-55 ms that way, 17-22
+    with the client kept), which is not the server's prefill."""
     import random
 
     times = []
-    for i in range(runs):
-        rng = random.Random(1000 + i)
-        ids = [rng.randrange(1000, 40000) for _ in range(tokens)]
-        t = time.perf_counter()
-        r = httpx.post(f"{server.url}/v1/completions", timeout=600,
-                       json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0})
-        r.raise_for_status()
-        times.append(time.perf_counter() - t)
+    with httpx.Client(timeout=600) as http:
+        for i in range(runs):
+            rng = random.Random(1000 + i)
+            ids = [rng.randrange(1000, 40000) for _ in range(tokens)]
+            t = time.perf_counter()
+            r = http.post(f"{server.url}/v1/completions",
+                          json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
