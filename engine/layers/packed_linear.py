@@ -45,10 +45,13 @@ kernel.bf16_linear: on AMX tiles where the CPU has them, whose rate at 16-64
 rows is bound by reading the panels, not by folding blocks.  There a 4-bit
 layer's steps of up to 32 such rows go through kernel.bf16_q4_linear, which
 makes each tile from the blocks instead (6 bits a weight read, not 16; the
-same bits).  Any float32 model, 4-bit weights or not.  On the Intel Xeon with AMX (family 6 model 207)
-a decode step of 16 sequences took 31.9 against int8's 47.4 ms, of 32 40.2
-against 49.2, of one 18.0 against 14.4 (2 bytes a weight against a 4-bit
-block's 0.75).
+same bits).  The norm or SiLU ahead of a projection runs in its call
+(kernel.bf16_norm_linear, bf16_silu_linear: each row normed or gated as it
+is rounded, the separate calls' bits), for prompt rows too where they share
+the panels.  Any float32 model, 4-bit weights or not.  On the Intel Xeon
+with AMX (family 6 model 207) a decode step of 16 sequences took 31.9
+against int8's 47.4 ms, of 32 40.2 against 49.2, of one 18.0 against 14.4
+(2 bytes a weight against a 4-bit block's 0.75).
 """
 
 from __future__ import annotations
