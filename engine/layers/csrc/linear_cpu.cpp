@@ -563,7 +563,7 @@ RowPrologue norm_prologue(const char* name, const at::Tensor& x, int64_t K, cons
 at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor* blocks, int64_t N, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& out, const RowPrologue& pro = {}) {
-  const int64_t P = panels.size(0), K = bf16_panels_k(name, panels);
+  const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);  // checked before it is read
   const bool amx = K % QB == 0 && use_amx();
   if (blocks != nullptr) {
     TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
