@@ -308,7 +308,7 @@ class PackedLinear(nn.Module):
             return self.decode(x)
         if len(runs) == 1:  # every row a prompt token
             return self._prompt(x)
-        if self.bf16_prompts and self.bf16_weights:
+        if self._one_path:
             # Prompt and generated rows on the same bfloat16 panels: one call
             # reads the weights once for both (the panels' bits either way).
             return self._generated(x)
@@ -343,9 +343,15 @@ class PackedLinear(nn.Module):
         (prompt and generated rows alike: enable_bf16 and enable_bf16_weights);
         else None."""
         rows = self.prompt_rows
-        if rows is not None and rows.runs and not (self.bf16_prompts and self.bf16_weights):
+        if rows is not None and rows.runs and not self._one_path:
             return None
         return self._fused_inputs
+
+    @property
+    def _one_path(self) -> bool:
+        """Prompt and generated rows alike run on the bfloat16 panels
+        (enable_bf16 and enable_bf16_weights): one call serves a whole step."""
+        return self.bf16_prompts and self.bf16_weights
 
     def _bind_fused_inputs(self) -> FusedInputs | None:
         """forward_normed's and forward_silu's kernels, bound once, on the

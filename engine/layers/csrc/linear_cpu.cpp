@@ -676,8 +676,10 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
     thread_local std::vector<float> in;  // a row after the prologue
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
-      in.resize(static_cast<size_t>(K));
-      row = prologue_row(pro, row, t, K, in.data());
+      if (pro.any()) {
+        in.resize(static_cast<size_t>(K));
+        row = prologue_row(pro, row, t, K, in.data());
+      }
       for (int64_t kp = 0; kp < K / 2; ++kp)
         pp[t * (K / 2) + kp] = round_bits(row[2 * kp]) | (uint32_t{round_bits(row[2 * kp + 1])} << 16);
     }
