@@ -48,7 +48,12 @@ makes each tile from the blocks instead (6 bits a weight read, not 16; the
 same bits).  The norm or SiLU ahead of a projection runs in its call
 (kernel.bf16_norm_linear, bf16_silu_linear: each row normed or gated as it
 is rounded, the separate calls' bits), for prompt rows too where they share
-the panels.  Any float32 model, 4-bit weights or not.  On the Intel Xeon
+the panels.  On AMX the gate and up projection also gates its own sums
+(kernel.bf16_norm_silu_linear, through forward_normed_silu: each tile of
+gate's and up's sums made silu(gate) * up while in cache, their float32
+outputs never written out; the same bits): the MLP of a 2,000-token prompt
+1.25x, of 16 rows 1.1x, with the kernels alone.  Any float32 model, 4-bit
+weights or not.  On the Intel Xeon
 with AMX (family 6 model 207) a decode step of 16 sequences took 31.9
 against int8's 47.4 ms, of 32 40.2 against 49.2, of one 18.0 against 14.4
 (2 bytes a weight against a 4-bit block's 0.75).
@@ -153,8 +158,10 @@ def q8_blocks(weight: torch.Tensor, kernel: ModuleType) -> torch.Tensor | None:
 RowRun = tuple[int, int, bool]
 
 
-# PackedLinear.forward_normed's and forward_silu's kernels, bound to a layer's blocks.
-FusedInputs = tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+# PackedLinear.forward_normed's, forward_silu's and (or None) forward_normed_silu's
+# kernels, bound to a layer's blocks.
+FusedInputs = tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor],
+                    Callable[..., torch.Tensor] | None]
 
 
 @dataclass
@@ -330,6 +337,20 @@ class PackedLinear(nn.Module):
             return fused[0](x, weight, eps, residual)
         return self.forward(self.kernel.rms_norm(x, weight, eps, residual))
 
+    def forward_normed_silu(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """kernel.silu_and_mul(forward_normed(x, weight, eps, residual)) for a
+        gate and up projection (gate's outputs, then up's), in one call where
+        forward_normed fuses and the layer has no bias: each tile of gate's and
+        up's sums is gated while in cache (on AMX; the two calls elsewhere),
+        their float32 outputs never written out.  The same bits.  None (and
+        nothing done) where it does not apply.  The gated rows then go through
+        the down projection's forward, the path its forward_silu takes."""
+        fused = self._fused_now()
+        if fused is None or fused[2] is None:
+            return None
+        return fused[2](x, weight, eps, residual)
+
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(kernel.silu_and_mul(gate_up)), fused as forward_normed is."""
         fused = self._fused_now()
@@ -360,13 +381,15 @@ class PackedLinear(nn.Module):
         if self.bf16_weights and self.bf16 is not None:
             # The bfloat16 panels (or tiles made from the 4-bit blocks, few rows, AMX): forward's path.
             panels, q4 = self.bf16, self.q4
+            gated = None if bias is not None or n % 32 else (
+                lambda x, w, eps, res: kernel.bf16_norm_silu_linear(x, panels, q4, n, w, eps, res))
             return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, q4, n, w, eps, res, bias),
-                    lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, q4, n, bias))
+                    lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, q4, n, bias), gated)
         blocks = self.q4 if self.q4 is not None else self.q8
         if not self.bf16_decodes or blocks is None:
             return None
         return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),
-                lambda gate_up: kernel.bf16_rows_silu_linear(gate_up, blocks, n, bias))
+                lambda gate_up: kernel.bf16_rows_silu_linear(gate_up, blocks, n, bias), None)
 
     def _prompt(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.bf16_prompts:

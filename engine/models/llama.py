@@ -170,7 +170,12 @@ class LlamaLayer(nn.Module):
                                    s.num_heads, s.num_kv_heads)
         o = attn(q, k, v, kv_cache, self.layer_idx, meta, self.scale, window=self.window)
         # x += o_proj(o), then gate_up_proj(norm2(x))
-        gate_up = _normed(gate_up_proj, f, o_proj.forward(o.reshape(t, self.q_size)), norm2, x)
+        o = o_proj.forward(o.reshape(t, self.q_size))
+        if isinstance(gate_up_proj, PackedLinear) and isinstance(down_proj, PackedLinear):
+            gated = gate_up_proj.forward_normed_silu(o, norm2.weight, norm2.eps, x)
+            if gated is not None:  # silu(gate) * up from the projection's own call
+                return x.add_(down_proj.forward(gated))
+        gate_up = _normed(gate_up_proj, f, o, norm2, x)
         if isinstance(down_proj, PackedLinear):
             return x.add_(down_proj.forward_silu(gate_up))
         return x.add_(down_proj.forward(f.silu_and_mul(gate_up)))

@@ -63,6 +63,10 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_quantized(decodes: s
     runner = llm.engine.runner
     layer, head = runner.model.layers[0].down_proj, runner.model.lm_head
     assert runner.decode_dtype == decodes and getattr(layer, PATH_FLAG[decodes])
+    # bfloat16-weights: silu(gate) * up comes out of the gate and up projection's own call
+    gate_up = runner.model.layers[0].gate_up_proj
+    assert (gate_up._fused_inputs is not None and gate_up._fused_inputs[2] is not None) == (
+        decodes == "bfloat16-weights")
     # the 8-bit head too
     assert getattr(head, PATH_FLAG[decodes]) and head.q8 is not None
     assert llm.engine.kv.prompt_blocks_only

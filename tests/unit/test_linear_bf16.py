@@ -191,6 +191,20 @@ def test_the_flag_and_the_layout() -> None:
         KVLayout(**base, prefill_dtype="float16")
 
 
+def q4_layer(kernel, k_in: int, n: int, bias: bool, m: int,  # type: ignore[no-untyped-def]
+             gen: torch.Generator) -> tuple[nn.Linear, PackedLinear, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A 4-bit layer k_in -> n: the nn.Linear, its PackedLinear, its bfloat16
+    panels, and m rows of x, a norm's weight and m rows of a residual stream."""
+    w = q4_weight(n, k_in, gen)
+    lin = nn.Linear(k_in, n, bias=bias)
+    lin.weight.data = w
+    layer = PackedLinear(lin, kernel)
+    assert layer.q4 is not None
+    inputs = (torch.randn(m, k_in, generator=gen), torch.randn(k_in, generator=gen),
+              torch.randn(m, k_in, generator=gen))
+    return lin, layer, kernel.pack_bf16(w), inputs
+
+
 # Up to two AMX row tiles (tiles made from the 4-bit blocks), past them, and a prompt's rows.
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 200])
 def test_fused_norm_and_silu_give_the_separate_calls_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
@@ -199,14 +213,7 @@ def test_fused_norm_and_silu_give_the_separate_calls_bits(kernel, m: int) -> Non
     bf16_silu_linear of silu_and_mul: bit for bit, with and without a bias."""
     gen = torch.Generator().manual_seed(m + 7)
     k_in, n = 96, 50
-    w = q4_weight(n, k_in, gen)
-    lin = nn.Linear(k_in, n)
-    lin.weight.data = w
-    layer = PackedLinear(lin, kernel)
-    assert layer.q4 is not None
-    panels = kernel.pack_bf16(w)
-    x, norm_w, stream = (torch.randn(m, k_in, generator=gen), torch.randn(k_in, generator=gen),
-                         torch.randn(m, k_in, generator=gen))
+    lin, layer, panels, (x, norm_w, stream) = q4_layer(kernel, k_in, n, True, m, gen)
     gate_up = torch.randn(m, 2 * k_in, generator=gen)
     for blocks in (layer.q4, None):
         for bias in (None, lin.bias.detach()):
@@ -251,3 +258,58 @@ def test_packed_linear_fuses_on_the_bfloat16_weights_path(kernel) -> None:  # ty
     check()
     rows.runs = ((0, 9, True),)
     check()
+
+
+# Up to two AMX row tiles (tiles made from the 4-bit blocks), past them, a
+# whole and a partial 192-row chunk.
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 32, 33, 200, 385])
+def test_norm_silu_linear_gives_the_separate_calls_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """bf16_norm_silu_linear (gate and up in one weight) is silu_and_mul of
+    bf16_norm_linear, its residual updated the same way, bit for bit: gated
+    tile by tile on AMX, the two calls elsewhere; odd panel counts for gate
+    and for up (3 each) and an unused half of the last row tile."""
+    k_in, inter = 96, 48
+    lin, layer, panels, (x, norm_w, stream) = q4_layer(kernel, k_in, 2 * inter, False, m,
+                                                       torch.Generator().manual_seed(m + 11))
+    for blocks in (layer.q4, None):
+        gated_stream, separate_stream = stream.clone(), stream.clone()
+        gated = kernel.bf16_norm_silu_linear(x, panels, blocks, 2 * inter, norm_w, 1e-6, gated_stream)
+        separate = kernel.silu_and_mul(kernel.bf16_norm_linear(x, panels, blocks, 2 * inter, norm_w, 1e-6,
+                                                               separate_stream))
+        assert gated.shape == (m, inter)
+        assert torch.equal(gated, separate) and torch.equal(gated_stream, separate_stream)
+        assert torch.equal(gated_stream, stream + x)  # the residual add happened, in place
+        no_residual = kernel.bf16_norm_linear(x, panels, blocks, 2 * inter, norm_w, 1e-5)
+        assert torch.equal(kernel.bf16_norm_silu_linear(x, panels, blocks, 2 * inter, norm_w, 1e-5),
+                           kernel.silu_and_mul(no_residual))
+    # Gate and up not in whole panels each (an output count the AMX path does not split): the two calls.
+    odd = kernel.pack_bf16(lin.weight.data[:40])
+    assert torch.equal(kernel.bf16_norm_silu_linear(x, odd, None, 40, norm_w, 1e-5),
+                       kernel.silu_and_mul(kernel.bf16_norm_linear(x, odd, None, 40, norm_w, 1e-5)))
+
+
+def test_packed_linear_gates_its_outputs_where_it_fuses(kernel) -> None:  # type: ignore[no-untyped-def]
+    """forward_normed_silu is silu_and_mul(forward_normed(...)) where
+    forward_normed fuses and the layer has no bias, and None (the residual
+    untouched) on a step whose prompt rows take another path or for a layer
+    with a bias."""
+    k_in, inter = 96, 32
+    gen = torch.Generator().manual_seed(3)
+    lin, layer, _, (x, norm_w, stream) = q4_layer(kernel, k_in, 2 * inter, False, 9, gen)
+    rows = PromptRows()
+    assert layer.forward_normed_silu(x, norm_w, 1e-5) is None  # exact decodes: nothing fused
+    layer.enable_bf16_weights(rows)
+    a, b = stream.clone(), stream.clone()
+    gated = layer.forward_normed_silu(x, norm_w, 1e-5, a)
+    assert gated is not None
+    assert torch.equal(gated, kernel.silu_and_mul(layer.forward_normed(x, norm_w, 1e-5, b)))
+    assert torch.equal(a, b)
+    rows.runs = ((0, 4, True), (4, 9, False))  # prompt rows on the exact path
+    untouched = stream.clone()
+    assert layer.forward_normed_silu(x, norm_w, 1e-5, untouched) is None and torch.equal(untouched, stream)
+    rows.runs = ()
+    biased = nn.Linear(k_in, 2 * inter)
+    biased.weight.data = lin.weight.data
+    with_bias = PackedLinear(biased, kernel)
+    with_bias.enable_bf16_weights(rows)
+    assert with_bias.forward_normed_silu(x, norm_w, 1e-5) is None

@@ -104,6 +104,10 @@ struct Panels {
   bool block_sums = false;  // the kernel wants sums of x per block (q4)
   bool bf16_pairs = false;  // the kernel wants x as bfloat16 pairs (bf16 panels)
   bool bf16_rows = false;   // the kernel wants x as plain bfloat16 rows, padded to AMX_ROWS (AMX)
+  // Set: the panels are a gate projection's then an up projection's (half
+  // each), and the call's output silu(gate) * up (N / 2 outputs) through this
+  // kernel in place of `kernel` (AMX).
+  SiluPanelRows silu = nullptr;
 };
 
 using splitserve_bf16::round_bits;
@@ -140,10 +144,12 @@ struct LinearCall {
 };
 
 // width: x's features when they are not the weight's K (a prologue's input, 2 K for silu_mul).
+// outputs: y's columns when they are not N (silu(gate) * up: N / 2).
 LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t K, int64_t N,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
-                       int64_t width = 0) {
+                       int64_t width = 0, int64_t outputs = 0) {
   if (width == 0) width = K;
+  if (outputs == 0) outputs = N;
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == width, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, ",
               width == K ? "the weight " : "want ", width);
@@ -152,14 +158,14 @@ LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t
   c.x2 = x.reshape({-1, width}).contiguous();
   c.M = c.x2.size(0);
   c.sizes = x.sizes().vec();
-  c.sizes.back() = N;
+  c.sizes.back() = outputs;
   if (out.has_value() && out->defined()) {  // rows of a bigger output (a step's rows split between paths)
     c.y = *out;
-    TORCH_CHECK(c.y.scalar_type() == at::kFloat && c.y.dim() == 2 && c.y.size(0) == c.M && c.y.size(1) == N &&
-                    c.y.stride(1) == 1 && c.y.stride(0) == N,
-                name, ": out must be a contiguous [", c.M, ", ", N, "] float32 tensor");
+    TORCH_CHECK(c.y.scalar_type() == at::kFloat && c.y.dim() == 2 && c.y.size(0) == c.M &&
+                    c.y.size(1) == outputs && c.y.stride(1) == 1 && c.y.stride(0) == outputs,
+                name, ": out must be a contiguous [", c.M, ", ", outputs, "] float32 tensor");
   } else {
-    c.y = at::empty({c.M, N}, c.x2.options());
+    c.y = at::empty({c.M, outputs}, c.x2.options());
   }
   if (bias.has_value() && bias->defined()) {
     c.bias = bias->contiguous();
@@ -215,7 +221,9 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
                       const RowPrologue& pro = {}) {
   TORCH_CHECK(!pro.any() || w.bf16_pairs || w.bf16_rows, name, ": a prologue needs bfloat16 rows");
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K);
+  TORCH_CHECK(w.silu == nullptr || (w.bf16_rows && P % 2 == 0 && N == P * NR && !bias.has_value()), name,
+              ": silu(gate) * up needs AMX rows, whole panels for gate and for up, and no bias");
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K, w.silu ? N / 2 : N);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -271,6 +279,14 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // it together in every tile (AVX-512; one panel at a time elsewhere); up to
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
   const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
+  if (w.silu) {  // gate's panels (the first half) as tasks, each with up's panels as far on
+    const int64_t half = P / 2;
+    each_task(M, half, N / 2, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+      w.silu(w.base + p * w.panel_bytes, w.panel_bytes, half * w.panel_bytes, np, K, xp + m0 * ldx, ldx, rows,
+             p * NR, cols, yp + m0 * (N / 2), N / 2);
+    });
+    return y.view(call.sizes);
+  }
   each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
     w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
              rows, bp, p * NR, cols, yp + m0 * N, N);
@@ -578,6 +594,35 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
   const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
                  false, !amx, amx};
   return run_linear(name, x, w, P, K, N, bias, out, pro);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up projection in one
+// weight of N = 2 I outputs: where AMX runs and I is a multiple of 16, each
+// tile of gate's and up's sums is gated in cache (SiluPanelRows), the same
+// bits; elsewhere the two calls.
+at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
+                                 const c10::optional<at::Tensor>& blocks, int64_t N, const at::Tensor& weight,
+                                 double eps, const c10::optional<at::Tensor>& residual) {
+  const char* name = "bf16_norm_silu_linear";
+  const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);
+  const RowPrologue pro = norm_prologue(name, x, K, weight, eps, residual);
+  if (K % QB != 0 || !use_amx() || N % (2 * NR) != 0 || P * NR != N)
+    return silu_and_mul(bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N,
+                                            c10::nullopt, c10::nullopt, pro));
+  const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  if (blocks.has_value() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
+    TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
+                    blocks->size(1) * QB == K && blocks->size(2) == Q4_BLOCK_BYTES && blocks->is_contiguous(),
+                name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+    Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
+    w.silu = kAmxQ4SiluRows;
+    return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
+  }
+  Panels w{kAmxBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, false, true};
+  w.silu = kAmxBf16SiluRows;
+  return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,
@@ -967,6 +1012,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_norm_silu_linear", &bf16_norm_silu_linear, nogil(),
+        "silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up weight: each tile of sums gated in cache (AMX)",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
         "bf16_q4_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
         pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());

@@ -527,11 +527,13 @@ inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
 // instructions round differently), so a machine runs one or the other for a
 // weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
 // 4-5 rows of x, 6-7 panels; sum tile t stored at c[t], c_stride bytes a row.
+// The second panel starts `second` bytes after the first (the next panel's,
+// or up's for gate's: amx_silu_rows).
 // Q4: p holds 4-bit blocks (pbytes a panel), each block made into its tile
 // (q4_bf16_tile) as it is needed: a step of few rows reads 6 bits a weight
 // instead of the panels' 16, for the panels' bits.
 template <bool TWO_ROWS, bool TWO_PANELS, bool Q4>
-inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t pbytes, int64_t K,
+inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t second, int64_t K,
                       float* const (&c)[4], const int64_t (&c_stride)[4]) {
   [[maybe_unused]] alignas(64) uint8_t made[2][16 * 64];  // Q4: a block's tile for each panel
   _tile_zero(0);
@@ -544,12 +546,12 @@ inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64
       q4_bf16_tile(p + kb * Q4_BLOCK_BYTES, made[0]);
       _tile_loadd(6, made[0], 64);
       if constexpr (TWO_PANELS) {
-        q4_bf16_tile(p + pbytes + kb * Q4_BLOCK_BYTES, made[1]);
+        q4_bf16_tile(p + second + kb * Q4_BLOCK_BYTES, made[1]);
         _tile_loadd(7, made[1], 64);
       }
     } else {
       _tile_loadd(6, p + kb * 16 * 64, 64);
-      if constexpr (TWO_PANELS) _tile_loadd(7, p + pbytes + kb * 16 * 64, 64);
+      if constexpr (TWO_PANELS) _tile_loadd(7, p + second + kb * 16 * 64, 64);
     }
     if constexpr (TWO_ROWS) _tile_loadd(5, x + AMX_ROWS * xstride + kb * 64, xstride);
     _tile_dpbf16ps(0, 4, 6);
@@ -1456,9 +1458,47 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 }
 #endif
 
+#if defined(SPLITSERVE_ISA_AMX)
+// linear_isa_api.h's SiluPanelRows: panel n's gate and up tiles (amx_block's
+// two panels, up_bytes apart) for two row tiles at a time into buf, then
+// silu(gate) * up row by row into y.
+template <bool Q4>
+void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
+                   int64_t ldx, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t ldy) {
+  const splitserve_amx::Config cfg;
+  _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
+  const int64_t xstride = ldx * 4;
+  alignas(64) float buf[4 * AMX_ROWS * NR];  // [row tile][gate, up] tiles of sums
+  float* const c[4] = {buf, buf + AMX_ROWS * NR, buf + 2 * AMX_ROWS * NR, buf + 3 * AMX_ROWS * NR};
+  const int64_t c_stride[4] = {NR * 4, NR * 4, NR * 4, NR * 4};
+  alignas(64) float act[NR];
+  static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
+  for (int64_t n = 0; n < np; ++n) {
+    const int64_t width = min64(NR, cols - n * NR);
+    for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
+      const bool two_r = m + AMX_ROWS < rows;
+      if (two_r) amx_block<true, true, Q4>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
+      else amx_block<false, true, Q4>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
+      for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt) {
+        const int64_t m0 = m + rt * AMX_ROWS;
+        for (int64_t i = 0; i < min64(AMX_ROWS, rows - m0); ++i) {
+          for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(c[2 * rt] + i * NR + j, c[2 * rt + 1] + i * NR + j, act + j);
+          std::memcpy(y + (m0 + i) * ldy + col0 + n * NR, act, width * sizeof(float));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
 
 #if defined(SPLITSERVE_ISA_AMX)
+extern const SiluPanelRows kAmxBf16SiluRows = amx_silu_rows<false>;
+extern const SiluPanelRows kAmxQ4SiluRows = amx_silu_rows<true>;
 extern const RowsTimesPanels kAmxBf16Rows = amx_rows<false>;
 extern const RowsTimesPanels kAmxQ4Rows = amx_rows<true>;
 extern const PlainRows kAmxPlainRows = amx_plain_rows;
