@@ -343,13 +343,20 @@ class PackedLinear(nn.Module):
         gate and up projection (gate's outputs, then up's), in one call where
         forward_normed fuses and the layer has no bias: each tile of gate's and
         up's sums is gated while in cache (on AMX; the two calls elsewhere),
-        their float32 outputs never written out.  The same bits.  None (and
-        nothing done) where it does not apply.  The gated rows then go through
-        the down projection's forward, the path its forward_silu takes."""
+        their float32 outputs never written out.  The same bits.  A step of
+        prompt rows alone on the bfloat16 panels (prefill_dtype=bfloat16,
+        whatever the decodes' path) too.  None (and nothing done) where it does
+        not apply.  The gated rows then go through the down projection's
+        forward, the path its forward_silu takes."""
         fused = self._fused_now()
-        if fused is None or fused[2] is None:
-            return None
-        return fused[2](x, weight, eps, residual)
+        if fused is not None:
+            return None if fused[2] is None else fused[2](x, weight, eps, residual)
+        rows = self.prompt_rows
+        if (self.bf16_prompts and rows is not None and len(rows.runs) == 1 and self.bias is None
+                and self.out_features % 32 == 0):  # forward's _prompt path: the panels
+            n = self.out_features
+            return self.kernel.bf16_norm_silu_linear(x, self.bf16, None, n, weight, eps, residual)
+        return None
 
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(kernel.silu_and_mul(gate_up)), fused as forward_normed is."""

@@ -307,6 +307,16 @@ def test_packed_linear_gates_its_outputs_where_it_fuses(kernel) -> None:  # type
     rows.runs = ((0, 4, True), (4, 9, False))  # prompt rows on the exact path
     untouched = stream.clone()
     assert layer.forward_normed_silu(x, norm_w, 1e-5, untouched) is None and torch.equal(untouched, stream)
+    # Prompt rows alone on the panels (prefill_dtype=bfloat16), whatever the decodes' path.
+    prompts = PackedLinear(lin, kernel)
+    prompts.enable_bf16(rows)
+    assert prompts.forward_normed_silu(x, norm_w, 1e-5) is None  # prompt and generated rows: two paths
+    rows.runs = ((0, 9, True),)
+    a, b = stream.clone(), stream.clone()
+    gated = prompts.forward_normed_silu(x, norm_w, 1e-5, a)
+    assert gated is not None
+    assert torch.equal(gated, kernel.silu_and_mul(prompts.forward_normed(x, norm_w, 1e-5, b)))
+    assert torch.equal(a, b)
     rows.runs = ()
     biased = nn.Linear(k_in, 2 * inter)
     biased.weight.data = lin.weight.data
