@@ -48,7 +48,7 @@ makes each tile from the blocks instead (6 bits a weight read, not 16; the
 same bits).  The norm or SiLU ahead of a projection runs in its call
 (kernel.bf16_norm_linear, bf16_silu_linear: each row normed or gated as it
 is rounded, the separate calls' bits), for prompt rows too where they share
-the panels.  On AMX the gate and up projection also gates its own sums
+the panels.  The gate and up projection also gates its own sums
 (kernel.bf16_norm_silu_linear, through forward_normed_silu: each tile of
 gate's and up's sums made silu(gate) * up while in cache, their float32
 outputs never written out; the same bits): the MLP of a 2,000-token prompt
@@ -342,7 +342,7 @@ class PackedLinear(nn.Module):
         """kernel.silu_and_mul(forward_normed(x, weight, eps, residual)) for a
         gate and up projection (gate's outputs, then up's), in one call where
         forward_normed fuses and the layer has no bias: each tile of gate's and
-        up's sums is gated while in cache (on AMX; the two calls elsewhere),
+        up's sums is gated while in cache (AMX or vdpbf16ps),
         their float32 outputs never written out.  The same bits.  A step of
         prompt rows alone on the bfloat16 panels (prefill_dtype=bfloat16,
         whatever the decodes' path) too.  None (and nothing done) where it does

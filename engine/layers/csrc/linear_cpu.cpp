@@ -106,7 +106,7 @@ struct Panels {
   bool bf16_rows = false;   // the kernel wants x as plain bfloat16 rows, padded to AMX_ROWS (AMX)
   // Set: the panels are a gate projection's then an up projection's (half
   // each), and the call's output silu(gate) * up (N / 2 outputs) through this
-  // kernel in place of `kernel` (AMX).
+  // kernel in place of `kernel` (AMX or vdpbf16ps).
   SiluPanelRows silu = nullptr;
 };
 
@@ -221,8 +221,8 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
                       const RowPrologue& pro = {}) {
   TORCH_CHECK(!pro.any() || w.bf16_pairs || w.bf16_rows, name, ": a prologue needs bfloat16 rows");
-  TORCH_CHECK(w.silu == nullptr || (w.bf16_rows && P % 2 == 0 && N == P * NR && !bias.has_value()), name,
-              ": silu(gate) * up needs AMX rows, whole panels for gate and for up, and no bias");
+  TORCH_CHECK(w.silu == nullptr || ((w.bf16_rows || w.bf16_pairs) && P % 2 == 0 && N == P * NR && !bias.has_value()),
+              name, ": silu(gate) * up needs bfloat16 rows, whole panels for gate and for up, and no bias");
   const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K, w.silu ? N / 2 : N);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
@@ -599,18 +599,23 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up projection in one
-// weight of N = 2 I outputs: where AMX runs and I is a multiple of 16, each
-// tile of gate's and up's sums is gated in cache (SiluPanelRows), the same
-// bits; elsewhere the two calls.
+// weight of N = 2 I outputs: where I is a multiple of 16 (and, on AMX, K of
+// 32), each tile of gate's and up's sums is gated in cache (SiluPanelRows),
+// the same bits; elsewhere the two calls.
 at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
                                  const c10::optional<at::Tensor>& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual) {
   const char* name = "bf16_norm_silu_linear";
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);
   const RowPrologue pro = norm_prologue(name, x, K, weight, eps, residual);
-  if (K % QB != 0 || !use_amx() || N % (2 * NR) != 0 || P * NR != N)
+  if (N % (2 * NR) != 0 || P * NR != N)
     return silu_and_mul(bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N,
                                             c10::nullopt, c10::nullopt, pro));
+  if (K % QB != 0 || !use_amx()) {  // vdpbf16ps, as bf16_weights_linear picks it
+    Panels w{kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, true, false};
+    w.silu = kBf16SiluRows;
+    return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
+  }
   const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
   if (blocks.has_value() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
     TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&

@@ -1458,6 +1458,30 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 }
 #endif
 
+#if defined(SPLITSERVE_ISA_BF16) && !defined(SPLITSERVE_ISA_AMX)
+// linear_isa_api.h's SiluPanelRows on vdpbf16ps (x as rows_times_panels<BF16>
+// takes it): panel n's gate and up as the micro-kernel's two panels, up_bytes
+// apart, MR rows at a time, then silu(gate) * up row by row into y.
+void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
+                    int64_t ldx, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t ldy) {
+  const uint8_t* p = static_cast<const uint8_t*>(panels);
+  alignas(64) float tile[MR * NR * 2];  // gate's r rows, then up's
+  alignas(64) float act[NR];
+  static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
+  for (int64_t n = 0; n < np; ++n) {
+    const int64_t width = min64(NR, cols - n * NR);
+    for (int64_t m = 0; m < rows; m += MR) {
+      const int64_t r = min64(MR, rows - m);
+      run_rows<BF16, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+      for (int64_t i = 0; i < r; ++i) {
+        for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(tile + i * NR + j, tile + (r + i) * NR + j, act + j);
+        std::memcpy(y + (m + i) * ldy + col0 + n * NR, act, width * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
 #if defined(SPLITSERVE_ISA_AMX)
 // linear_isa_api.h's SiluPanelRows: panel n's gate and up tiles (amx_block's
 // two panels, up_bytes apart) for two row tiles at a time into buf, then
@@ -1507,6 +1531,7 @@ extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
 extern const Q4Bf16Rows kQ8Bf16 = q8bf16_rows;
 #elif defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
+extern const SiluPanelRows kBf16SiluRows = bf16_silu_rows;
 #elif defined(SPLITSERVE_ISA_VNNI)
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
 extern const Q8I8Rows kQ8I8Vnni = q8i8_rows_vnni;

@@ -111,6 +111,8 @@ using SiluPanelRows = void (*)(const void* panels, int64_t pbytes, int64_t up_by
                                int64_t ldy);
 extern const SiluPanelRows kAmxBf16SiluRows;
 extern const SiluPanelRows kAmxQ4SiluRows;
+// The same on kBf16Rows's panels and x (vdpbf16ps): kBf16Rows then silu_mul's bits.
+extern const SiluPanelRows kBf16SiluRows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
 // decode_dtype=bfloat16: 4-bit blocks (as q4) times rows of x rounded to
