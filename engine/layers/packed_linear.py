@@ -343,7 +343,9 @@ class PackedLinear(nn.Module):
         gate and up projection (gate's outputs, then up's), in one call where
         forward_normed fuses and the layer has no bias: each tile of gate's and
         up's sums is gated while in cache (AMX or vdpbf16ps),
-        their float32 outputs never written out.  The same bits.  A step of
+        their float32 outputs never written out; on AMX the gated rows come
+        back in bfloat16, rounded as the down projection rounds its input
+        (which reads them as they are).  The same bits.  A step of
         prompt rows alone on the bfloat16 panels (prefill_dtype=bfloat16,
         whatever the decodes' path) too.  None (and nothing done) where it does
         not apply.  The gated rows then go through the down projection's

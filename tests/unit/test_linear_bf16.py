@@ -265,9 +265,10 @@ def test_packed_linear_fuses_on_the_bfloat16_weights_path(kernel) -> None:  # ty
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 32, 33, 200, 385])
 def test_norm_silu_linear_gives_the_separate_calls_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
     """bf16_norm_silu_linear (gate and up in one weight) is silu_and_mul of
-    bf16_norm_linear, its residual updated the same way, bit for bit: gated
-    tile by tile on AMX, the two calls elsewhere; odd panel counts for gate
-    and for up (3 each) and an unused half of the last row tile."""
+    bf16_norm_linear, its residual updated the same way, bit for bit (on AMX
+    rounded to bfloat16 as the down projection rounds its input): gated tile
+    by tile on either kernel; odd panel counts for gate and for up (3 each)
+    and an unused half of the last row tile."""
     k_in, inter = 96, 48
     lin, layer, panels, (x, norm_w, stream) = q4_layer(kernel, k_in, 2 * inter, False, m,
                                                        torch.Generator().manual_seed(m + 11))
@@ -277,15 +278,53 @@ def test_norm_silu_linear_gives_the_separate_calls_bits(kernel, m: int) -> None:
         separate = kernel.silu_and_mul(kernel.bf16_norm_linear(x, panels, blocks, 2 * inter, norm_w, 1e-6,
                                                                separate_stream))
         assert gated.shape == (m, inter)
-        assert torch.equal(gated, separate) and torch.equal(gated_stream, separate_stream)
+        assert gated.dtype == (torch.bfloat16 if amx_on(kernel) else torch.float32)
+        assert torch.equal(gated, separate.to(gated.dtype)) and torch.equal(gated_stream, separate_stream)
         assert torch.equal(gated_stream, stream + x)  # the residual add happened, in place
         no_residual = kernel.bf16_norm_linear(x, panels, blocks, 2 * inter, norm_w, 1e-5)
         assert torch.equal(kernel.bf16_norm_silu_linear(x, panels, blocks, 2 * inter, norm_w, 1e-5),
-                           kernel.silu_and_mul(no_residual))
+                           kernel.silu_and_mul(no_residual).to(gated.dtype))
     # Gate and up not in whole panels each (an output count the AMX path does not split): the two calls.
     odd = kernel.pack_bf16(lin.weight.data[:40])
     assert torch.equal(kernel.bf16_norm_silu_linear(x, odd, None, 40, norm_w, 1e-5),
                        kernel.silu_and_mul(kernel.bf16_norm_linear(x, odd, None, 40, norm_w, 1e-5)))
+
+
+def amx_on(kernel) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the bfloat16 kernels run on AMX tiles now (the fixture's choice)."""
+    if not kernel.amx_supported():
+        return False
+    on = kernel.set_amx(True)
+    kernel.set_amx(on)
+    return bool(on)
+
+
+# Within a tile, whole tiles, a chunk and a tile more, a partial tile after whole chunks.
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 32, 33, 200, 385])
+def test_bfloat16_rows_give_their_float32_copies_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """bf16_linear and bf16_q4_linear take bfloat16 rows (the gated rows of
+    bf16_norm_silu_linear on AMX, read there as they are, the rows past the
+    last whole tile from a tile of their own) and give the float32 copy's bits;
+    so does the down projection of the gated rows against the separate calls'."""
+    gen = torch.Generator().manual_seed(m + 19)
+    k_in, n, inter = 96, 40, 96
+    _, layer, panels, (x, norm_w, _) = q4_layer(kernel, k_in, n, False, m, gen)
+    rows = x.bfloat16()
+    plain = kernel.bf16_linear(rows.float(), panels, n)
+    assert torch.equal(kernel.bf16_linear(rows, panels, n), plain)
+    assert torch.equal(kernel.bf16_q4_linear(rows, panels, layer.q4, n), plain)
+    # gate and up (K = 96) gated, then the down projection (K = inter, a multiple of 32: AMX where it runs)
+    _, gate_up, gu_panels, _ = q4_layer(kernel, k_in, 2 * inter, False, m, gen)
+    _, down, dn_panels, _ = q4_layer(kernel, inter, k_in, False, m, gen)
+    for blocks in (gate_up.q4, None):
+        gated = kernel.bf16_norm_silu_linear(x, gu_panels, blocks, 2 * inter, norm_w, 1e-5)
+        separate = kernel.silu_and_mul(kernel.bf16_norm_linear(x, gu_panels, blocks, 2 * inter, norm_w, 1e-5))
+        for down_blocks in (down.q4, None):
+            want = kernel.bf16_linear(separate, dn_panels, k_in) if down_blocks is None else \
+                kernel.bf16_q4_linear(separate, dn_panels, down_blocks, k_in)
+            got = kernel.bf16_linear(gated, dn_panels, k_in) if down_blocks is None else \
+                kernel.bf16_q4_linear(gated, dn_panels, down_blocks, k_in)
+            assert torch.equal(got, want)
 
 
 def test_packed_linear_gates_its_outputs_where_it_fuses(kernel) -> None:  # type: ignore[no-untyped-def]
@@ -302,7 +341,7 @@ def test_packed_linear_gates_its_outputs_where_it_fuses(kernel) -> None:  # type
     a, b = stream.clone(), stream.clone()
     gated = layer.forward_normed_silu(x, norm_w, 1e-5, a)
     assert gated is not None
-    assert torch.equal(gated, kernel.silu_and_mul(layer.forward_normed(x, norm_w, 1e-5, b)))
+    assert torch.equal(gated, kernel.silu_and_mul(layer.forward_normed(x, norm_w, 1e-5, b)).to(gated.dtype))
     assert torch.equal(a, b)
     rows.runs = ((0, 4, True), (4, 9, False))  # prompt rows on the exact path
     untouched = stream.clone()
@@ -315,7 +354,7 @@ def test_packed_linear_gates_its_outputs_where_it_fuses(kernel) -> None:  # type
     a, b = stream.clone(), stream.clone()
     gated = prompts.forward_normed_silu(x, norm_w, 1e-5, a)
     assert gated is not None
-    assert torch.equal(gated, kernel.silu_and_mul(prompts.forward_normed(x, norm_w, 1e-5, b)))
+    assert torch.equal(gated, kernel.silu_and_mul(prompts.forward_normed(x, norm_w, 1e-5, b)).to(gated.dtype))
     assert torch.equal(a, b)
     rows.runs = ()
     biased = nn.Linear(k_in, 2 * inter)

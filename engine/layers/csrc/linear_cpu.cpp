@@ -145,12 +145,15 @@ struct LinearCall {
 
 // width: x's features when they are not the weight's K (a prologue's input, 2 K for silu_mul).
 // outputs: y's columns when they are not N (silu(gate) * up: N / 2).
+// rows16: x may hold bfloat16 rows (AMX reads them as they are); y_type: y's dtype.
 LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t K, int64_t N,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
-                       int64_t width = 0, int64_t outputs = 0) {
+                       int64_t width = 0, int64_t outputs = 0, bool rows16 = false,
+                       at::ScalarType y_type = at::kFloat) {
   if (width == 0) width = K;
   if (outputs == 0) outputs = N;
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 activations only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || (rows16 && x.scalar_type() == at::kBFloat16), name,
+              rows16 ? ": float32 or bfloat16 activations only" : ": float32 activations only");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == width, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, ",
               width == K ? "the weight " : "want ", width);
   TORCH_CHECK(P * NR >= N && (P - 1) * NR < N, name, ": N does not match the panels");
@@ -165,7 +168,7 @@ LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t
                     c.y.size(1) == outputs && c.y.stride(1) == 1 && c.y.stride(0) == outputs,
                 name, ": out must be a contiguous [", c.M, ", ", outputs, "] float32 tensor");
   } else {
-    c.y = at::empty({c.M, outputs}, c.x2.options());
+    c.y = at::empty({c.M, outputs}, c.x2.options().dtype(y_type));
   }
   if (bias.has_value() && bias->defined()) {
     c.bias = bias->contiguous();
@@ -223,15 +226,34 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   TORCH_CHECK(!pro.any() || w.bf16_pairs || w.bf16_rows, name, ": a prologue needs bfloat16 rows");
   TORCH_CHECK(w.silu == nullptr || ((w.bf16_rows || w.bf16_pairs) && P % 2 == 0 && N == P * NR && !bias.has_value()),
               name, ": silu(gate) * up needs bfloat16 rows, whole panels for gate and for up, and no bias");
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K, w.silu ? N / 2 : N);
+  const bool rows16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!rows16 || (w.bf16_rows && !pro.any()), name, ": bfloat16 rows only on AMX tiles, without a prologue");
+  // AMX's silu(gate) * up comes out as the bfloat16 rows the next projection's tiles read (rows16).
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K, w.silu ? N / 2 : N,
+                                      w.bf16_rows, w.silu && w.bf16_rows ? at::kBFloat16 : at::kFloat);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
   const float* bp = call.bp();
-  const float* xp = x2.data_ptr<float>();
+  const float* xp = reinterpret_cast<const float*>(x2.data_ptr());
   int64_t ldx = K;
   at::Tensor pairs;
-  if (w.bf16_pairs || w.bf16_rows) {
+  // Rows past `whole` come from `tail` (rows16: x's last partial tile of rows, zero-padded).
+  int64_t whole = M;
+  const float* tail = nullptr;
+  if (rows16) {
+    // bfloat16 rows, already rounded (the bits kAmxPlainRows would write): the
+    // tiles read them in place, but for the last AMX_ROWS rows' worth past the
+    // last whole tile, copied into a tile of their own after which zero rows.
+    TORCH_CHECK(K % 2 == 0, name, ": K must be even");
+    ldx = K / 2;
+    whole = M / AMX_ROWS * AMX_ROWS;
+    if (whole < M) {
+      pairs = at::zeros({AMX_ROWS, K / 2}, x2.options().dtype(at::kInt));
+      std::memcpy(pairs.data_ptr(), xp + whole * ldx, (M - whole) * K * 2);
+      tail = reinterpret_cast<const float*>(pairs.data_ptr());
+    }
+  } else if (w.bf16_pairs || w.bf16_rows) {
     // The kernel reads uint32 pairs through the same pointer (4 bytes each), in
     // tiles of T rows: tile t at t * T * K / 2, so row m of a tile's start is
     // at m * K / 2, as for a row-major x of K / 2 a row.  vdpbf16ps's tiles
@@ -262,7 +284,13 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     xp = reinterpret_cast<const float*>(pp);
     ldx = K / 2;
   }
-  float* yp = y.data_ptr<float>();
+  float* yp = w.silu && w.bf16_rows ? nullptr : y.data_ptr<float>();
+  // fn(x of row m, m, rows) for rows [m0, m0 + rows): x in place up to `whole`, the tail after.
+  auto by_rows = [&](int64_t m0, int64_t rows, auto&& fn) {
+    const int64_t split = std::clamp(whole, m0, m0 + rows);
+    if (split > m0) fn(xp + m0 * ldx, m0, split - m0);
+    if (split < m0 + rows) fn(tail, split, m0 + rows - split);  // split == whole: the tail's first row
+  };
   // The factored q4 format wants each row's sum of x per block of 32 inputs,
   // added in order (one fixed order for every row count and instruction set).
   const int64_t KB = K / QB;
@@ -280,16 +308,19 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
   const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
   if (w.silu) {  // gate's panels (the first half) as tasks, each with up's panels as far on
-    const int64_t half = P / 2;
-    each_task(M, half, N / 2, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+    const int64_t half = P / 2, I = N / 2, esize = y.element_size();
+    char* out = static_cast<char*>(y.data_ptr());
+    each_task(M, half, I, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
       w.silu(w.base + p * w.panel_bytes, w.panel_bytes, half * w.panel_bytes, np, K, xp + m0 * ldx, ldx, rows,
-             p * NR, cols, yp + m0 * (N / 2), N / 2);
+             p * NR, cols, out + m0 * I * esize, I);
     });
     return y.view(call.sizes);
   }
   each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
-    w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, xsp ? xsp + m0 * KB : nullptr, KB,
-             rows, bp, p * NR, cols, yp + m0 * N, N);
+    by_rows(m0, rows, [&](const float* xm, int64_t m, int64_t r) {
+      w.kernel(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xm, ldx, xsp ? xsp + m * KB : nullptr, KB, r, bp,
+               p * NR, cols, yp + m * N, N);
+    });
   });
   return y.view(call.sizes);
 }
@@ -581,6 +612,10 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
                                const c10::optional<at::Tensor>& out, const RowPrologue& pro = {}) {
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);  // checked before it is read
   const bool amx = K % QB == 0 && use_amx();
+  // bfloat16 rows (bf16_norm_silu_linear's on AMX): read as they are on AMX
+  // tiles; elsewhere widened to float32 first (exact), whose rounding gives them back.
+  if (x.scalar_type() == at::kBFloat16 && (!amx || pro.any()))
+    return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro);
   if (blocks != nullptr) {
     TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
                     blocks->size(1) * QB == K && blocks->size(2) == Q4_BLOCK_BYTES && blocks->is_contiguous(),
@@ -601,7 +636,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up projection in one
 // weight of N = 2 I outputs: where I is a multiple of 16 (and, on AMX, K of
 // 32), each tile of gate's and up's sums is gated in cache (SiluPanelRows),
-// the same bits; elsewhere the two calls.
+// the same bits; elsewhere the two calls.  On AMX the result is bfloat16
+// rows, rounded as the down projection rounds its input (bf16_linear and
+// bf16_q4_linear read them as they are: the same bits as from the float32
+// rows); elsewhere float32.
 at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
                                  const c10::optional<at::Tensor>& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual) {

@@ -1463,8 +1463,9 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 // takes it): panel n's gate and up as the micro-kernel's two panels, up_bytes
 // apart, MR rows at a time, then silu(gate) * up row by row into y.
 void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
-                    int64_t ldx, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t ldy) {
+                    int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* out, int64_t ldy) {
   const uint8_t* p = static_cast<const uint8_t*>(panels);
+  float* y = static_cast<float*>(out);
   alignas(64) float tile[MR * NR * 2];  // gate's r rows, then up's
   alignas(64) float act[NR];
   static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
@@ -1485,10 +1486,11 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
 #if defined(SPLITSERVE_ISA_AMX)
 // linear_isa_api.h's SiluPanelRows: panel n's gate and up tiles (amx_block's
 // two panels, up_bytes apart) for two row tiles at a time into buf, then
-// silu(gate) * up row by row into y.
+// silu(gate) * up row by row, rounded, into y.
 template <bool Q4>
 void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
-                   int64_t ldx, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t ldy) {
+                   int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* out, int64_t ldy) {
+  uint16_t* y = static_cast<uint16_t*>(out);
   const splitserve_amx::Config cfg;
   _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
   const uint8_t* p = static_cast<const uint8_t*>(panels);
@@ -1509,7 +1511,8 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
         const int64_t m0 = m + rt * AMX_ROWS;
         for (int64_t i = 0; i < min64(AMX_ROWS, rows - m0); ++i) {
           for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(c[2 * rt] + i * NR + j, c[2 * rt + 1] + i * NR + j, act + j);
-          std::memcpy(y + (m0 + i) * ldy + col0 + n * NR, act, width * sizeof(float));
+          uint16_t* dst = y + (m0 + i) * ldy + col0 + n * NR;
+          for (int64_t j = 0; j < width; ++j) dst[j] = splitserve_bf16::round_bits(act[j]);
         }
       }
     }

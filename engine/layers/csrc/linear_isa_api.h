@@ -102,16 +102,19 @@ extern const PlainRows kAmxPlainRows;
 // kAmxBf16Rows (Q4: kAmxQ4Rows) for a gate and up projection in one weight
 // (gate's panels first, up's up_bytes after them), with silu(gate) * up
 // (silu_mul's lanes) taken of each tile of sums in cache: y's column col0 + j
-// for j < cols, of panels 0 .. np, is gate's output j times up's.  The
-// float32 gate and up outputs are never written out (prompt rows wrote and
-// read back 2 x 4 bytes an output through memory); the same bits as
-// kAmxBf16Rows then silu_mul.
+// for j < cols, of panels 0 .. np, is gate's output j times up's, rounded to
+// bfloat16 (round_bits: the down projection's input as kAmxPlainRows would
+// make it), y a uint16_t rows ldy apart.  The float32 gate and up outputs are
+// never written out (prompt rows wrote and read back 2 x 4 bytes an output
+// through memory), nor the gated float32 rows; the same bits as kAmxBf16Rows,
+// silu_mul and the rounding.
 using SiluPanelRows = void (*)(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K,
-                               const float* x, int64_t ldx, int64_t rows, int64_t col0, int64_t cols, float* y,
+                               const float* x, int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* y,
                                int64_t ldy);
 extern const SiluPanelRows kAmxBf16SiluRows;
 extern const SiluPanelRows kAmxQ4SiluRows;
-// The same on kBf16Rows's panels and x (vdpbf16ps): kBf16Rows then silu_mul's bits.
+// The same on kBf16Rows's panels and x (vdpbf16ps), y float32 (not rounded):
+// kBf16Rows then silu_mul's bits.
 extern const SiluPanelRows kBf16SiluRows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
