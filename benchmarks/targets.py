@@ -11,7 +11,8 @@ its best dtype for this machine, side by side:
    each held to the peak measured right before and after it, the verdict by
    the median round; a second run, where 64 requests keep 32 in flight and
    new prompts are prefilled between the decodes, is reported beside it)
-4. prefill of a 2,000-token prompt: >= 60% of that peak
+4. prefill of a 2,000-token prompt: >= 60% of that peak (the better of the
+   peaks measured right before and right after it)
 5. cold start of `splitserve up --prefill 1 --decode 1` <= 10 s; offline
    throughput >= 3x Hugging Face static batching (`splitserve bench offline`)
 
@@ -572,9 +573,15 @@ def main() -> int:
                     elif t in only:
                         r.bench(coloc, w)
                 if 4 in only:
+                    # Held to the peak of its own minutes, as target 3's rounds are:
+                    # the run's peak, measured minutes away, moved 800 to 1,965
+                    # GFLOP/s within one run on the Intel Xeon with AMX (session 42).
+                    before = matmul_peak(threads)
                     secs = prefill_seconds(coloc, PREFILL_TOKENS)
+                    after = matmul_peak(threads)
                     flops = 2 * params * PREFILL_TOKENS + 2 * layers * PREFILL_TOKENS ** 2 * qdim
-                    r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs}
+                    r.results[f"{coloc.label} / prefill"] = {"seconds": secs, "flops": flops / secs,
+                                                            "peak": better_peaks(before, after)}
     done = r.results
     peak: dict[str, float] = {}
     if only & {3, 4}:
@@ -586,11 +593,13 @@ def main() -> int:
     if 4 in only:
         for label, dtype in prompts_in.items():
             pf = done[f"{label} / prefill"]
-            name, best = dtype_peak(peak, dtype)
+            name, best = dtype_peak(pf["peak"], dtype)
             rate = pf["flops"]
             report.append(f"4. prefill of {PREFILL_TOKENS} tokens, {label} ({dtype}): "
                           f"{pf['seconds']:.2f} s = {rate / 1e9:.1f} GFLOP/s = {rate / best:.0%} of "
-                          f"the {name} peak (target >= 60%): {verdict(rate >= 0.6 * best)}")
+                          f"the {name} peak measured right before and after it ({best / 1e9:.1f}; "
+                          f"{rate / dtype_peak(peak, dtype)[1]:.0%} of the run's) (target >= 60%): "
+                          f"{verdict(rate >= 0.6 * best)}")
 
     def tput(label: str, workload: str) -> float | None:
         key = f"{label} / {workload}"

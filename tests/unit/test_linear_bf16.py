@@ -237,6 +237,8 @@ def test_fused_norm_and_silu_check_their_shapes(kernel) -> None:  # type: ignore
         kernel.bf16_norm_linear(x, panels, None, 16, torch.ones(63), 1e-5)
     with pytest.raises(RuntimeError, match="bf16_norm_linear: residual must be"):
         kernel.bf16_norm_linear(x, panels, None, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
+    with pytest.raises(RuntimeError, match="bf16_norm_silu_linear: n must be even"):
+        kernel.bf16_norm_silu_linear(x, kernel.pack_bf16(torch.randn(15, 64)), None, 15, torch.ones(64), 1e-5)
     bad_blocks = torch.zeros(1, 2, 100, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=r"bf16_norm_linear: blocks must be the panels' uint8 \[P, K/32"):
         kernel.bf16_norm_linear(x, panels, bad_blocks, 16, torch.ones(64), 1e-5)

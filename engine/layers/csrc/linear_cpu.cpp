@@ -602,6 +602,13 @@ RowPrologue norm_prologue(const char* name, const at::Tensor& x, int64_t K, cons
   return pro;
 }
 
+// The 4-bit blocks bfloat16 panels [P, K/2, 16, 2] were rounded from, checked.
+void check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, int64_t K) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(0) == P &&
+                  blocks.size(1) * QB == K && blocks.size(2) == Q4_BLOCK_BYTES && blocks.is_contiguous(),
+              name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+}
+
 // x (after the prologue, if any) times bfloat16 panels [P, K/2, 16, 2]:
 // vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
 // the 4-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
@@ -617,9 +624,7 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
   if (x.scalar_type() == at::kBFloat16 && (!amx || pro.any()))
     return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro);
   if (blocks != nullptr) {
-    TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
-                    blocks->size(1) * QB == K && blocks->size(2) == Q4_BLOCK_BYTES && blocks->is_contiguous(),
-                name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+    check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
     if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
       const Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
@@ -646,6 +651,7 @@ at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
   const char* name = "bf16_norm_silu_linear";
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);
   const RowPrologue pro = norm_prologue(name, x, K, weight, eps, residual);
+  TORCH_CHECK(N % 2 == 0, name, ": n must be even (gate's outputs, then up's)");
   if (N % (2 * NR) != 0 || P * NR != N)
     return silu_and_mul(bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N,
                                             c10::nullopt, c10::nullopt, pro));
@@ -656,9 +662,7 @@ at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
   }
   const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
   if (blocks.has_value() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
-    TORCH_CHECK(blocks->scalar_type() == at::kByte && blocks->dim() == 3 && blocks->size(0) == P &&
-                    blocks->size(1) * QB == K && blocks->size(2) == Q4_BLOCK_BYTES && blocks->is_contiguous(),
-                name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+    check_panels_blocks(name, *blocks, P, K);
     Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
     w.silu = kAmxQ4SiluRows;
     return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
@@ -1044,7 +1048,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_supported", &bf16_supported, "whether this CPU runs bf16_linear (AVX512-BF16)");
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
-        "x @ W.T (+ bias) in bfloat16 (x and W rounded to nearest even, float32 sums), AVX512-BF16 only");
+        "x @ W.T (+ bias) in bfloat16 (x, float32 or bfloat16, and W rounded to nearest even, float32 sums), "
+        "AVX512-BF16 only");
   m.def("bf16_q4_linear", &bf16_q4_linear, nogil(),
         "bf16_linear(x, panels)'s result from the 4-bit blocks the panels were rounded from, each tile made as "
         "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
@@ -1056,7 +1061,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         pybind11::arg("bias") = pybind11::none());
   m.def("bf16_norm_silu_linear", &bf16_norm_silu_linear, nogil(),
-        "silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up weight: each tile of sums gated in cache (AMX)",
+        "silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up weight, each tile of sums gated in cache; "
+        "bfloat16 rows on AMX (bf16_linear and bf16_q4_linear take them), float32 elsewhere",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
