@@ -354,8 +354,8 @@ class PackedLinear(nn.Module):
         if fused is not None:
             return None if fused[2] is None else fused[2](x, weight, eps, residual)
         rows = self.prompt_rows
-        if (self.bf16_prompts and rows is not None and len(rows.runs) == 1 and self.bias is None
-                and self.out_features % 32 == 0):  # forward's _prompt path: the panels
+        if self.bf16_prompts and rows is not None and len(rows.runs) == 1 and self.bias is None:
+            # forward's _prompt path: the panels
             n = self.out_features
             return self.kernel.bf16_norm_silu_linear(x, self.bf16, None, n, weight, eps, residual)
         return None
@@ -390,7 +390,7 @@ class PackedLinear(nn.Module):
         if self.bf16_weights and self.bf16 is not None:
             # The bfloat16 panels (or tiles made from the 4-bit blocks, few rows, AMX): forward's path.
             panels, q4 = self.bf16, self.q4
-            gated = None if bias is not None or n % 32 else (
+            gated = None if bias is not None else (
                 lambda x, w, eps, res: kernel.bf16_norm_silu_linear(x, panels, q4, n, w, eps, res))
             return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, q4, n, w, eps, res, bias),
                     lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, q4, n, bias), gated)

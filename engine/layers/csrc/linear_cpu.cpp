@@ -613,38 +613,42 @@ void check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, 
 // vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
 // the 4-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
 // not turned off by set_amx) and x has up to AMX_Q4_MAX_ROWS rows, each tile
-// is made from the blocks instead.  The same bits every way.
+// is made from the blocks instead.  The same bits every way.  gate: the
+// panels are a gate's then an up's, and the result silu(gate) * up through
+// the chosen kernel's SiluPanelRows (bf16_norm_silu_linear).
 at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor* blocks, int64_t N, const c10::optional<at::Tensor>& bias,
-                               const c10::optional<at::Tensor>& out, const RowPrologue& pro = {}) {
+                               const c10::optional<at::Tensor>& out, const RowPrologue& pro = {},
+                               bool gate = false) {
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);  // checked before it is read
   const bool amx = K % QB == 0 && use_amx();
   // bfloat16 rows (bf16_norm_silu_linear's on AMX): read as they are on AMX
   // tiles; elsewhere widened to float32 first (exact), whose rounding gives them back.
   if (x.scalar_type() == at::kBFloat16 && (!amx || pro.any()))
-    return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro);
+    return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro, gate);
   if (blocks != nullptr) {
     check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
     if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
-      const Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
+      Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
+      if (gate) w.silu = kAmxQ4SiluRows;
       return run_linear(name, x, w, P, K, N, bias, out, pro);
     }
   }
-  const Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
-                 false, !amx, amx};
+  Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
+           false, !amx, amx};
+  if (gate) w.silu = amx ? kAmxBf16SiluRows : kBf16SiluRows;
   return run_linear(name, x, w, P, K, N, bias, out, pro);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up projection in one
-// weight of N = 2 I outputs: where I is a multiple of 16 (and, on AMX, K of
-// 32), each tile of gate's and up's sums is gated in cache (SiluPanelRows),
-// the same bits; elsewhere the two calls.  On AMX the result is bfloat16
-// rows, rounded as the down projection rounds its input (bf16_linear and
-// bf16_q4_linear read them as they are: the same bits as from the float32
-// rows); elsewhere float32.
+// weight of N = 2 I outputs: where I is a multiple of 16, each tile of gate's
+// and up's sums is gated in cache (SiluPanelRows), the same bits; elsewhere
+// the two calls.  On AMX the result is bfloat16 rows, rounded as the down
+// projection rounds its input (bf16_linear and bf16_q4_linear read them as
+// they are: the same bits as from the float32 rows); elsewhere float32.
 at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
                                  const c10::optional<at::Tensor>& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual) {
@@ -652,24 +656,10 @@ at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);
   const RowPrologue pro = norm_prologue(name, x, K, weight, eps, residual);
   TORCH_CHECK(N % 2 == 0, name, ": n must be even (gate's outputs, then up's)");
-  if (N % (2 * NR) != 0 || P * NR != N)
-    return silu_and_mul(bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N,
-                                            c10::nullopt, c10::nullopt, pro));
-  if (K % QB != 0 || !use_amx()) {  // vdpbf16ps, as bf16_weights_linear picks it
-    Panels w{kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, true, false};
-    w.silu = kBf16SiluRows;
-    return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
-  }
-  const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-  if (blocks.has_value() && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
-    check_panels_blocks(name, *blocks, P, K);
-    Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
-    w.silu = kAmxQ4SiluRows;
-    return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
-  }
-  Panels w{kAmxBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2, false, false, true};
-  w.silu = kAmxBf16SiluRows;
-  return run_linear(name, x, w, P, K, N, c10::nullopt, c10::nullopt, pro);
+  const bool whole = N % (2 * NR) == 0 && P * NR == N;  // gate's and up's outputs in panels of their own
+  const at::Tensor y = bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N,
+                                           c10::nullopt, c10::nullopt, pro, whole);
+  return whole ? y : silu_and_mul(y);
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias,

@@ -1458,6 +1458,14 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 }
 #endif
 
+#if defined(SPLITSERVE_ISA_BF16)
+// act = silu(g) * u for one panel's NR outputs, through silu_mul's lanes (its bits).
+SILU_MATH inline void silu_mul_panel(const float* g, const float* u, float* act) {
+  static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
+  for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(g + j, u + j, act + j);
+}
+#endif
+
 #if defined(SPLITSERVE_ISA_BF16) && !defined(SPLITSERVE_ISA_AMX)
 // linear_isa_api.h's SiluPanelRows on vdpbf16ps (x as rows_times_panels<BF16>
 // takes it): panel n's gate and up as the micro-kernel's two panels, up_bytes
@@ -1468,14 +1476,13 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
   float* y = static_cast<float*>(out);
   alignas(64) float tile[MR * NR * 2];  // gate's r rows, then up's
   alignas(64) float act[NR];
-  static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
   for (int64_t n = 0; n < np; ++n) {
     const int64_t width = min64(NR, cols - n * NR);
     for (int64_t m = 0; m < rows; m += MR) {
       const int64_t r = min64(MR, rows - m);
       run_rows<BF16, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
       for (int64_t i = 0; i < r; ++i) {
-        for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(tile + i * NR + j, tile + (r + i) * NR + j, act + j);
+        silu_mul_panel(tile + i * NR, tile + (r + i) * NR, act);
         std::memcpy(y + (m + i) * ldy + col0 + n * NR, act, width * sizeof(float));
       }
     }
@@ -1500,7 +1507,6 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
   float* const c[4] = {buf, buf + AMX_ROWS * NR, buf + 2 * AMX_ROWS * NR, buf + 3 * AMX_ROWS * NR};
   const int64_t c_stride[4] = {NR * 4, NR * 4, NR * 4, NR * 4};
   alignas(64) float act[NR];
-  static_assert(NR % SW == 0, "silu_mul's lanes cover a panel's outputs");
   for (int64_t n = 0; n < np; ++n) {
     const int64_t width = min64(NR, cols - n * NR);
     for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
@@ -1510,7 +1516,7 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
       for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt) {
         const int64_t m0 = m + rt * AMX_ROWS;
         for (int64_t i = 0; i < min64(AMX_ROWS, rows - m0); ++i) {
-          for (int64_t j = 0; j < NR; j += SW) silu_mul_lanes(c[2 * rt] + i * NR + j, c[2 * rt + 1] + i * NR + j, act + j);
+          silu_mul_panel(c[2 * rt] + i * NR, c[2 * rt + 1] + i * NR, act);
           uint16_t* dst = y + (m0 + i) * ldy + col0 + n * NR;
           for (int64_t j = 0; j < width; ++j) dst[j] = splitserve_bf16::round_bits(act[j]);
         }
