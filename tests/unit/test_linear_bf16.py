@@ -11,7 +11,7 @@ from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
-from tests.unit.test_linear_isa import assert_rows_on_their_paths, packed_layers, q4_weight
+from tests.unit.test_linear_isa import assert_rows_on_their_paths, packed_layers, q4_weight, q8_weight
 from tests.unit.test_linear_q4bf16 import fused_case
 
 
@@ -176,6 +176,35 @@ def test_tiles_made_from_the_4bit_blocks_give_the_panels_bits(kernel, m: int) ->
             want = kernel.bf16_linear(x, panels, n, bias)
             assert torch.equal(kernel.bf16_q4_linear(x, panels, layer.q4, n, bias), want)
         assert torch.equal(layer.forward(x), kernel.bf16_linear(x, panels, n, layer.bias))
+
+
+# One AMX row tile, two, and past them (the panels).
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 70])
+def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
+    """decode_dtype=bfloat16-weights, an 8-bit layer (the head): bf16_q8_linear
+    makes each AMX tile from the blocks the panels were rounded from (few
+    rows), or runs the panels: bf16_linear's bits either way, through the
+    layer's forward and its normed forward too."""
+    gen = torch.Generator().manual_seed(m + 100)
+    for n, k_in in ((200, 96), (40, 576), (7, 64)):
+        lin = nn.Linear(k_in, n, bias=False)
+        lin.weight.data = q8_weight(n, k_in, gen)
+        layer = PackedLinear(lin, kernel)
+        assert layer.q8 is not None and layer.q4 is None
+        x, norm_w = torch.randn(m, k_in, generator=gen), torch.randn(k_in, generator=gen)
+        layer.enable_bf16_weights(PromptRows())
+        panels = kernel.pack_bf16(layer.weight())
+        assert torch.equal(layer.bf16, panels)
+        want = kernel.bf16_linear(x, panels, n)
+        assert torch.equal(kernel.bf16_q8_linear(x, panels, layer.q8, n), want)
+        assert torch.equal(layer.forward(x), want)
+        normed = kernel.bf16_linear(kernel.rms_norm(x, norm_w, 1e-5, None), panels, n)
+        assert torch.equal(layer.forward_normed(x, norm_w, 1e-5), normed)
+    with pytest.raises(RuntimeError, match="8-bit"):
+        kernel.bf16_q8_linear(x, panels, kernel.pack_bf16(lin.weight.data)[:, :1].contiguous(), n)
+    q4 = PackedLinear(nn.Linear(64, 16, bias=False), kernel)
+    with pytest.raises(RuntimeError, match="4-bit"):
+        kernel.bf16_q4_linear(x[:, :64], kernel.pack_bf16(q4.weight()), layer.q8, 16)
 
 
 def test_the_flag_and_the_layout() -> None:

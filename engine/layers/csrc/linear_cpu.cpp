@@ -556,7 +556,8 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return padded.to(at::kBFloat16).view({P, NR, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// Up to this many rows bf16_q4_linear makes its tiles from the 4-bit blocks:
+// Up to this many rows bf16_q4_linear makes its tiles from the 4-bit blocks
+// (bf16_q8_linear from the 8-bit ones):
 // few rows are bound by reading the weights, and a block is 6 bits a weight
 // against the panels' 16 (Intel Xeon family 6 model 207, 2 cores, the
 // weights read from memory: the default model's 120 projections 8.6-9.2
@@ -602,16 +603,19 @@ RowPrologue norm_prologue(const char* name, const at::Tensor& x, int64_t K, cons
   return pro;
 }
 
-// The 4-bit blocks bfloat16 panels [P, K/2, 16, 2] were rounded from, checked.
-void check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, int64_t K) {
+// The 4- or 8-bit blocks bfloat16 panels [P, K/2, 16, 2] were rounded from,
+// checked; -> whether they are 8-bit.
+bool check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, int64_t K) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(0) == P &&
-                  blocks.size(1) * QB == K && blocks.size(2) == Q4_BLOCK_BYTES && blocks.is_contiguous(),
-              name, ": blocks must be the panels' uint8 [P, K/32, 384]");
+                  blocks.size(1) * QB == K &&
+                  (blocks.size(2) == Q4_BLOCK_BYTES || blocks.size(2) == Q8_BLOCK_BYTES) && blocks.is_contiguous(),
+              name, ": blocks must be the panels' uint8 [P, K/32, 384] (4-bit) or [P, K/32, 576] (8-bit)");
+  return blocks.size(2) == Q8_BLOCK_BYTES;
 }
 
 // x (after the prologue, if any) times bfloat16 panels [P, K/2, 16, 2]:
 // vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
-// the 4-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
+// the 4- or 8-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
 // not turned off by set_amx) and x has up to AMX_Q4_MAX_ROWS rows, each tile
 // is made from the blocks instead.  The same bits every way.  gate: the
 // panels are a gate's then an up's, and the result silu(gate) * up through
@@ -627,11 +631,12 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
   if (x.scalar_type() == at::kBFloat16 && (!amx || pro.any()))
     return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro, gate);
   if (blocks != nullptr) {
-    check_panels_blocks(name, *blocks, P, K);
+    const bool q8 = check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
     if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
-      Panels w{kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * Q4_BLOCK_BYTES, false, false, true};
-      if (gate) w.silu = kAmxQ4SiluRows;
+      Panels w{q8 ? kAmxQ8Rows : kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * blocks->size(2), false, false,
+               true};
+      if (gate) w.silu = q8 ? kAmxQ8SiluRows : kAmxQ4SiluRows;
       return run_linear(name, x, w, P, K, N, bias, out, pro);
     }
   }
@@ -670,7 +675,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
 // bf16_linear(x, panels), the tiles made from the 4-bit blocks where that runs.
 at::Tensor bf16_q4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
                           const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES, "bf16_q4_linear: blocks must be 4-bit");
   return bf16_weights_linear("bf16_q4_linear", x, panels, &blocks, N, bias, out);
+}
+
+// The same from 8-bit blocks (an 8-bit head: 9 bits a weight read, not 16).
+at::Tensor bf16_q8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
+                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES, "bf16_q8_linear: blocks must be 8-bit");
+  return bf16_weights_linear("bf16_q8_linear", x, panels, &blocks, N, bias, out);
 }
 
 // bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps,
@@ -1045,8 +1058,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
+  m.def("bf16_q8_linear", &bf16_q8_linear, nogil(),
+        "bf16_linear(x, panels)'s result from the 8-bit blocks the panels were rounded from, each tile made as "
+        "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
+        pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
   m.def("bf16_norm_linear", &bf16_norm_linear, nogil(),
-        "bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps, residual), normed as rounded",
+        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps, residual), normed as rounded",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         pybind11::arg("bias") = pybind11::none());
@@ -1056,9 +1074,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
-        "bf16_q4_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
+        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
         pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-  m.def("amx_q4_supported", &amx_q4_cpu, "whether bf16_q4_linear makes its tiles from the 4-bit blocks here");
+  m.def("amx_q4_supported", &amx_q4_cpu, "whether bf16_q4_linear and bf16_q8_linear make their tiles from the blocks here");
   m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
   m.def("set_amx", &set_amx,

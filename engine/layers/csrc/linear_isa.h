@@ -515,6 +515,67 @@ inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
   }
 }
 
+// An 8-bit block (q8's layout: d[16] float32, then 32 rows of 16 int8,
+// input k's row k) as the B tile its bfloat16 panels hold (q4_bf16_tile's
+// tile): each weight d q, exact in float32, rounded to nearest even as
+// pack_bf16 rounds it, the same bits.  A chunk of 64 bytes is inputs 4c ..
+// 4c + 3; kQ8TileIdx.v[t][g] moves the q of pair t (inputs 4c + 2t and 4c +
+// 2t + 1) of columns 8g .. 8g + 7 to the low bytes of lanes 0 .. 15 (lane
+// 2j' + e: column 8g + j', input 4c + 2t + e), over the float 2^23: with
+// the q's sign bit flipped first, each lane is then the float 2^23 + 128 +
+// q, and q itself one subtraction away (no conversion; both exact).
+struct Q8TileIdx {
+  alignas(64) uint8_t v[2][2][64];
+  constexpr Q8TileIdx() : v{} {
+    for (int t = 0; t < 2; ++t)
+      for (int g = 0; g < 2; ++g)
+        for (int lane = 0; lane < 16; ++lane)
+          v[t][g][4 * lane] = static_cast<uint8_t>((2 * t + lane % 2) * NR + 8 * g + lane / 2);
+  }
+};
+constexpr Q8TileIdx kQ8TileIdx{};
+
+inline void q8_bf16_tile(const uint8_t* blk, uint8_t* out) {
+  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+  const __m512 dg[2] = {_mm512_permutexvar_ps(pairs_lo, d), _mm512_permutexvar_ps(pairs_hi, d)};
+  const __m512i idx[2][2] = {{_mm512_load_si512(kQ8TileIdx.v[0][0]), _mm512_load_si512(kQ8TileIdx.v[0][1])},
+                             {_mm512_load_si512(kQ8TileIdx.v[1][0]), _mm512_load_si512(kQ8TileIdx.v[1][1])}};
+  constexpr __mmask64 lane_low_bytes = 0x1111111111111111ull;
+  const __m512i two23 = _mm512_set1_epi32(0x4B000000);  // the float 2^23: its low byte is an integer's
+  const __m512 offset = _mm512_set1_ps(8388608.f + 128.f);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* q = blk + NR * 4;
+  for (int c = 0; c < QB / 4; ++c) {
+    const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512(q + c * 64), sign);  // q + 128, unsigned
+    for (int t = 0; t < 2; ++t) {
+      __m512 w[2];
+      for (int g = 0; g < 2; ++g) {
+        const __m512i biased = _mm512_mask_permutexvar_epi8(two23, lane_low_bytes, idx[t][g], raw);
+        w[g] = _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(biased), offset), dg[g]);
+      }
+      const __m512i row = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
+      _mm512_store_si512(out + (2 * c + t) * 64, row);
+    }
+  }
+}
+
+// Where amx_block's B tiles come from: the bfloat16 panels as stored, or
+// each made from a block of 4 or 8 bits (q4_bf16_tile, q8_bf16_tile).
+enum class BTiles { kPanels, kQ4, kQ8 };
+
+template <BTiles B>
+constexpr int64_t block_bytes() {
+  return B == BTiles::kQ4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
+}
+
+template <BTiles B>
+inline void make_tile(const uint8_t* blk, uint8_t* out) {
+  if constexpr (B == BTiles::kQ4) q4_bf16_tile(blk, out);
+  else q8_bf16_tile(blk, out);
+}
+
 // The same bfloat16 panels on AMX tiles (Sapphire Rapids and later), for
 // prompts' rows under prefill_dtype=bfloat16 where K is a multiple of 32: a
 // panel's 16 pairs (k, k + 1) of a block of 32 inputs are, as stored, the 16
@@ -529,24 +590,24 @@ inline void q4_bf16_tile(const uint8_t* blk, uint8_t* out) {
 // 4-5 rows of x, 6-7 panels; sum tile t stored at c[t], c_stride bytes a row.
 // The second panel starts `second` bytes after the first (the next panel's,
 // or up's for gate's: amx_silu_rows).
-// Q4: p holds 4-bit blocks (pbytes a panel), each block made into its tile
-// (q4_bf16_tile) as it is needed: a step of few rows reads 6 bits a weight
-// instead of the panels' 16, for the panels' bits.
-template <bool TWO_ROWS, bool TWO_PANELS, bool Q4>
+// B other than kPanels: p holds 4- or 8-bit blocks (pbytes a panel), each
+// block made into its tile (make_tile) as it is needed: a step of few rows
+// reads 6 or 9 bits a weight instead of the panels' 16, for the panels' bits.
+template <bool TWO_ROWS, bool TWO_PANELS, BTiles B>
 inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t second, int64_t K,
                       float* const (&c)[4], const int64_t (&c_stride)[4]) {
-  [[maybe_unused]] alignas(64) uint8_t made[2][16 * 64];  // Q4: a block's tile for each panel
+  [[maybe_unused]] alignas(64) uint8_t made[2][16 * 64];  // blocks: a block's tile for each panel
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < K / QB; ++kb) {
     _tile_loadd(4, x + kb * 64, xstride);
-    if constexpr (Q4) {
-      q4_bf16_tile(p + kb * Q4_BLOCK_BYTES, made[0]);
+    if constexpr (B != BTiles::kPanels) {
+      make_tile<B>(p + kb * block_bytes<B>(), made[0]);
       _tile_loadd(6, made[0], 64);
       if constexpr (TWO_PANELS) {
-        q4_bf16_tile(p + second + kb * Q4_BLOCK_BYTES, made[1]);
+        make_tile<B>(p + second + kb * block_bytes<B>(), made[1]);
         _tile_loadd(7, made[1], 64);
       }
     } else {
@@ -574,7 +635,7 @@ void amx_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
   for (int64_t i = 0; i < rows * K; ++i) o[i] = splitserve_bf16::round_bits(x[i]);
 }
 
-template <bool Q4>
+template <BTiles B>
 void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx, const float*,
               int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
   static_assert(AMX_ROWS == splitserve_amx::ROWS, "tiles of AMX_ROWS rows");
@@ -601,10 +662,10 @@ void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const f
         c[t] = direct[t] ? y + m0 * ldy + col0 + col : buf + t * AMX_ROWS * NR;
         c_stride[t] = direct[t] ? ldy * 4 : 64;
       }
-      if (two_r && two_p) amx_block<true, true, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_r) amx_block<true, false, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_p) amx_block<false, true, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else amx_block<false, false, Q4>(xm, xstride, pn, pbytes, K, c, c_stride);
+      if (two_r && two_p) amx_block<true, true, B>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_r) amx_block<true, false, B>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else if (two_p) amx_block<false, true, B>(xm, xstride, pn, pbytes, K, c, c_stride);
+      else amx_block<false, false, B>(xm, xstride, pn, pbytes, K, c, c_stride);
       for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt)
         for (int64_t j = 0; j < (two_p ? 2 : 1); ++j) {
           const int64_t m0 = m + rt * AMX_ROWS;
@@ -1494,7 +1555,7 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
 // linear_isa_api.h's SiluPanelRows: panel n's gate and up tiles (amx_block's
 // two panels, up_bytes apart) for two row tiles at a time into buf, then
 // silu(gate) * up row by row, rounded, into y.
-template <bool Q4>
+template <BTiles B>
 void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
                    int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* out, int64_t ldy) {
   uint16_t* y = static_cast<uint16_t*>(out);
@@ -1511,8 +1572,8 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
     const int64_t width = min64(NR, cols - n * NR);
     for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
       const bool two_r = m + AMX_ROWS < rows;
-      if (two_r) amx_block<true, true, Q4>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
-      else amx_block<false, true, Q4>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
+      if (two_r) amx_block<true, true, B>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
+      else amx_block<false, true, B>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
       for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt) {
         const int64_t m0 = m + rt * AMX_ROWS;
         for (int64_t i = 0; i < min64(AMX_ROWS, rows - m0); ++i) {
@@ -1530,10 +1591,12 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
 }  // namespace
 
 #if defined(SPLITSERVE_ISA_AMX)
-extern const SiluPanelRows kAmxBf16SiluRows = amx_silu_rows<false>;
-extern const SiluPanelRows kAmxQ4SiluRows = amx_silu_rows<true>;
-extern const RowsTimesPanels kAmxBf16Rows = amx_rows<false>;
-extern const RowsTimesPanels kAmxQ4Rows = amx_rows<true>;
+extern const SiluPanelRows kAmxBf16SiluRows = amx_silu_rows<BTiles::kPanels>;
+extern const SiluPanelRows kAmxQ4SiluRows = amx_silu_rows<BTiles::kQ4>;
+extern const SiluPanelRows kAmxQ8SiluRows = amx_silu_rows<BTiles::kQ8>;
+extern const RowsTimesPanels kAmxBf16Rows = amx_rows<BTiles::kPanels>;
+extern const RowsTimesPanels kAmxQ4Rows = amx_rows<BTiles::kQ4>;
+extern const RowsTimesPanels kAmxQ8Rows = amx_rows<BTiles::kQ8>;
 extern const PlainRows kAmxPlainRows = amx_plain_rows;
 #elif defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;

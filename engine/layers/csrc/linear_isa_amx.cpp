@@ -1,7 +1,7 @@
 // The bfloat16 linear kernel on AMX tiles (Sapphire Rapids and later):
 // prompts' rows under prefill_dtype=bfloat16, and generated rows under
-// decode_dtype=bfloat16-weights.  Only kAmxBf16Rows, kAmxQ4Rows and
-// kAmxPlainRows come out of this file (every CPU with AMX has AVX512-VBMI).
+// decode_dtype=bfloat16-weights.  Only the kAmx kernels come out of this
+// file (every CPU with AMX has AVX512-VBMI).
 // Standard headers first, outside the pragma: their inline code stays baseline.
 #include <cstdint>
 #include <cstring>

@@ -96,10 +96,12 @@ extern const RowsTimesPanels kAmxBf16Rows;
 // panels were rounded from, each block made into its tile as it is needed:
 // AMX with AVX512-VBMI (amx_q4_cpu()).
 extern const RowsTimesPanels kAmxQ4Rows;
+// The same from 8-bit blocks (q8's layout: the head).
+extern const RowsTimesPanels kAmxQ8Rows;
 // Its x: float32 rows [rows, K] rounded to plain bfloat16 rows (K / 2 pairs a row).
 using PlainRows = void (*)(const float* x, int64_t rows, int64_t K, uint32_t* out);
 extern const PlainRows kAmxPlainRows;
-// kAmxBf16Rows (Q4: kAmxQ4Rows) for a gate and up projection in one weight
+// kAmxBf16Rows (Q4, Q8: kAmxQ4Rows, kAmxQ8Rows) for a gate and up projection in one weight
 // (gate's panels first, up's up_bytes after them), with silu(gate) * up
 // (silu_mul's lanes) taken of each tile of sums in cache: y's column col0 + j
 // for j < cols, of panels 0 .. np, is gate's output j times up's, rounded to
@@ -113,6 +115,7 @@ using SiluPanelRows = void (*)(const void* panels, int64_t pbytes, int64_t up_by
                                int64_t ldy);
 extern const SiluPanelRows kAmxBf16SiluRows;
 extern const SiluPanelRows kAmxQ4SiluRows;
+extern const SiluPanelRows kAmxQ8SiluRows;
 // The same on kBf16Rows's panels and x (vdpbf16ps), y float32 (not rounded):
 // kBf16Rows then silu_mul's bits.
 extern const SiluPanelRows kBf16SiluRows;
