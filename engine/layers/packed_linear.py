@@ -45,12 +45,13 @@ kernel.bf16_linear: on AMX tiles where the CPU has them, whose rate at 16-64
 rows is bound by reading the panels, not by folding blocks.  There a 4-bit
 layer's steps of up to 32 such rows go through kernel.bf16_q4_linear, which
 makes each tile from the blocks instead (6 bits a weight read, not 16; the
-same bits), and an 8-bit head's through kernel.bf16_q8_linear (9 bits: on
-the Intel Xeon with AMX a single-stream decode step 0.87-0.91x the time,
-8-16 sequences' 0.92-0.95x, 32's 0.97-1.07x).  The norm or SiLU ahead of a projection runs in its call
-(kernel.bf16_norm_linear, bf16_silu_linear: each row normed or gated as it
-is rounded, the separate calls' bits), for prompt rows too where they share
-the panels.  The gate and up projection also gates its own sums
+same bits), and an 8-bit head's through kernel.bf16_q8_linear (9 bits a
+weight; on the Intel Xeon with AMX, family 6 model 207, a decode step of
+one sequence 0.87-0.91x the time with the panels, of 8-16 0.92-0.95x, of
+32 0.97-1.07x; the same tokens).  The norm or SiLU ahead of a projection
+runs in its call (kernel.bf16_norm_linear, bf16_silu_linear: each row
+normed or gated as it is rounded, the separate calls' bits), for prompt
+rows too where they share the panels.  The gate and up projection also gates its own sums
 (kernel.bf16_norm_silu_linear, through forward_normed_silu: each tile of
 gate's and up's sums made silu(gate) * up while in cache, their float32
 outputs never written out; the same bits): on the Intel Xeon with AMX the
@@ -295,7 +296,8 @@ class PackedLinear(nn.Module):
     def enable_bf16_weights(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens on bfloat16 panels
         (held once, shared with the prompt rows under enable_bf16); a layer of
-        4-bit blocks on AMX makes few rows' tiles from its blocks, the same bits."""
+        4- or 8-bit blocks on AMX makes few rows' tiles from its blocks, the
+        same bits."""
         self._hold_bf16()
         self.bf16_weights = True
         self.prompt_rows = rows
@@ -396,7 +398,7 @@ class PackedLinear(nn.Module):
                 lambda x, w, eps, res: kernel.bf16_norm_silu_linear(x, panels, blocks, n, w, eps, res))
             return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, blocks, n, w, eps, res, bias),
                     lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, blocks, n, bias), gated)
-        blocks = self.q4 if self.q4 is not None else self.q8
+        blocks = self._tile_blocks
         if not self.bf16_decodes or blocks is None:
             return None
         return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),
@@ -409,8 +411,9 @@ class PackedLinear(nn.Module):
 
     @property
     def _tile_blocks(self) -> torch.Tensor | None:
-        """The blocks bfloat16_weights' AMX tiles are made from for few rows
-        (bf16_q4_linear, bf16_q8_linear): the 4-bit ones, else the 8-bit ones."""
+        """The blocks enable_bf16_weights' AMX tiles are made from for few
+        rows (bf16_q4_linear, bf16_q8_linear): the 4-bit ones, else the 8-bit
+        ones (a head), else None."""
         return self.q4 if self.q4 is not None else self.q8
 
     def _blocks_linear(self) -> Callable[..., torch.Tensor]:
