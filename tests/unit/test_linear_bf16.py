@@ -184,7 +184,8 @@ def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) ->
     """decode_dtype=bfloat16-weights, an 8-bit layer (the head): bf16_q8_linear
     makes each AMX tile from the blocks the panels were rounded from (few
     rows), or runs the panels: bf16_linear's bits either way, through the
-    layer's forward and its normed forward too."""
+    layer's forward and its normed forward too, and with the norm and the
+    SiLU of a Q8_0 model's projections."""
     gen = torch.Generator().manual_seed(m + 100)
     for n, k_in in ((200, 96), (40, 576), (7, 64)):
         lin = nn.Linear(k_in, n, bias=False)
@@ -200,11 +201,32 @@ def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) ->
         assert torch.equal(layer.forward(x), want)
         normed = kernel.bf16_linear(kernel.rms_norm(x, norm_w, 1e-5, None), panels, n)
         assert torch.equal(layer.forward_normed(x, norm_w, 1e-5), normed)
+    # An 8-bit gate and up projection and down projection (a Q8_0 model's),
+    # gating their tiles of sums and their inputs as the panels do.
+    gu, dn = (q8_layer(kernel, k_in, n, gen) for k_in, n in ((64, 96), (64, 32)))
+    x, norm_w = torch.randn(m, 64, generator=gen), torch.randn(64, generator=gen)
+    gated = kernel.bf16_norm_silu_linear(x, gu.bf16, gu.q8, 96, norm_w, 1e-5)
+    assert torch.equal(gated, kernel.bf16_norm_silu_linear(x, gu.bf16, None, 96, norm_w, 1e-5))
+    separate = kernel.silu_and_mul(kernel.bf16_norm_linear(x, gu.bf16, None, 96, norm_w, 1e-5))
+    assert torch.equal(gated, separate.to(gated.dtype))
+    gate_up = torch.randn(m, 128, generator=gen)
+    assert torch.equal(kernel.bf16_silu_linear(gate_up, dn.bf16, dn.q8, 32),
+                       kernel.bf16_linear(kernel.silu_and_mul(gate_up), dn.bf16, 32))
     with pytest.raises(RuntimeError, match="8-bit"):
         kernel.bf16_q8_linear(x, panels, kernel.pack_bf16(lin.weight.data)[:, :1].contiguous(), n)
     q4 = PackedLinear(nn.Linear(64, 16, bias=False), kernel)
     with pytest.raises(RuntimeError, match="4-bit"):
         kernel.bf16_q4_linear(x[:, :64], kernel.pack_bf16(q4.weight()), layer.q8, 16)
+
+
+def q8_layer(kernel, k_in: int, n: int, gen: torch.Generator) -> PackedLinear:  # type: ignore[no-untyped-def]
+    """An 8-bit layer k_in -> n without a bias, on its bfloat16 panels for generated rows."""
+    lin = nn.Linear(k_in, n, bias=False)
+    lin.weight.data = q8_weight(n, k_in, gen)
+    layer = PackedLinear(lin, kernel)
+    assert layer.q8 is not None
+    layer.enable_bf16_weights(PromptRows())
+    return layer
 
 
 def test_the_flag_and_the_layout() -> None:

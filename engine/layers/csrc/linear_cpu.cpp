@@ -1064,7 +1064,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
   m.def("bf16_norm_linear", &bf16_norm_linear, nogil(),
-        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps, residual), normed as rounded",
+        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps, residual), "
+        "normed as rounded",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         pybind11::arg("bias") = pybind11::none());
@@ -1074,9 +1075,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
-        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
+        "bf16_q4_linear or bf16_q8_linear (blocks given) or bf16_linear of silu_and_mul(gate_up)",
+        pybind11::arg("gate_up"),
         pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-  m.def("amx_q4_supported", &amx_q4_cpu, "whether bf16_q4_linear and bf16_q8_linear make their tiles from the blocks here");
+  m.def("amx_q4_supported", &amx_q4_cpu,
+        "whether bf16_q4_linear and bf16_q8_linear make their tiles from the blocks here");
   m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
   m.def("set_amx", &set_amx,
