@@ -51,13 +51,13 @@ one sequence 0.87-0.91x the time with the panels, of 8-16 0.92-0.95x, of
 32 0.97-1.07x; the same tokens).  The norm or SiLU ahead of a projection
 runs in its call (kernel.bf16_norm_linear, bf16_silu_linear: each row
 normed or gated as it is rounded, the separate calls' bits), for prompt
-rows too where they share the panels.  The gate and up projection also gates its own sums
-(kernel.bf16_norm_silu_linear, through forward_normed_silu: each tile of
-gate's and up's sums made silu(gate) * up while in cache, their float32
-outputs never written out; the same bits): on the Intel Xeon with AMX the
-MLP of a 2,000-token prompt 1.25x, of 16 rows 1.1x, with the kernels alone.
-Any float32 model, 4-bit weights or not.  On the Intel Xeon
-with AMX (family 6 model 207) a decode step of 16 sequences took 31.9
+rows too where they share the panels.  The gate and up projection also
+gates its own sums (kernel.bf16_norm_silu_linear, through
+forward_normed_silu: each tile of gate's and up's sums made silu(gate) * up
+while in cache, their float32 outputs never written out; the same bits):
+on the Intel Xeon with AMX the MLP of a 2,000-token prompt 1.25x, of 16
+rows 1.1x, with the kernels alone.  Any float32 model, 4-bit weights or
+not.  On the Intel Xeon with AMX (family 6 model 207) a decode step of 16 sequences took 31.9
 against int8's 47.4 ms, of 32 40.2 against 49.2, of one 18.0 against 14.4
 (2 bytes a weight against a 4-bit block's 0.75).
 """
@@ -421,8 +421,8 @@ class PackedLinear(nn.Module):
         return self.kernel.bf16_q4_linear if self.q4 is not None else self.kernel.bf16_q8_linear
 
     def _generated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.bf16_weights and self._tile_blocks is not None:
-            tiles = self._tile_blocks
+        tiles = self._tile_blocks
+        if self.bf16_weights and tiles is not None:
             return self._blocks_linear()(x, self.bf16, tiles, self.out_features, self.bias, out=out)
         if self.bf16_weights:
             return self.kernel.bf16_linear(x, self.bf16, self.out_features, self.bias, out=out)

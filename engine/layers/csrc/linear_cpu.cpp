@@ -652,8 +652,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // weight of N = 2 I outputs: where I is a multiple of 16, each tile of gate's
 // and up's sums is gated in cache (SiluPanelRows), the same bits; elsewhere
 // the two calls.  On AMX the result is bfloat16 rows, rounded as the down
-// projection rounds its input (bf16_linear and bf16_q4_linear read them as
-// they are: the same bits as from the float32 rows); elsewhere float32.
+// projection rounds its input (bf16_linear, bf16_q4_linear and
+// bf16_q8_linear read them as they are: the same bits as from the float32
+// rows); elsewhere float32.
 at::Tensor bf16_norm_silu_linear(const at::Tensor& x, const at::Tensor& panels,
                                  const c10::optional<at::Tensor>& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual) {
@@ -672,18 +673,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
   return bf16_weights_linear("bf16_linear", x, panels, nullptr, N, bias, out);
 }
 
-// bf16_linear(x, panels), the tiles made from the 4-bit blocks where that runs.
-at::Tensor bf16_q4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
-                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == Q4_BLOCK_BYTES, "bf16_q4_linear: blocks must be 4-bit");
-  return bf16_weights_linear("bf16_q4_linear", x, panels, &blocks, N, bias, out);
-}
-
-// The same from 8-bit blocks (an 8-bit head: 9 bits a weight read, not 16).
-at::Tensor bf16_q8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
-                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == Q8_BLOCK_BYTES, "bf16_q8_linear: blocks must be 8-bit");
-  return bf16_weights_linear("bf16_q8_linear", x, panels, &blocks, N, bias, out);
+// bf16_linear(x, panels), the tiles made from the 4-bit blocks (BITS 4) or
+// the 8-bit ones (an 8-bit head: 9 bits a weight read, not 16) where that runs.
+template <int BITS>
+at::Tensor bf16_blocks_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& blocks, int64_t N,
+                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  const char* name = BITS == 4 ? "bf16_q4_linear" : "bf16_q8_linear";
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == (BITS == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES), name,
+              ": blocks must be ", BITS, "-bit");
+  return bf16_weights_linear(name, x, panels, &blocks, N, bias, out);
 }
 
 // bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps,
@@ -1053,12 +1051,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x, float32 or bfloat16, and W rounded to nearest even, float32 sums), "
         "AVX512-BF16 only");
-  m.def("bf16_q4_linear", &bf16_q4_linear, nogil(),
+  m.def("bf16_q4_linear", &bf16_blocks_linear<4>, nogil(),
         "bf16_linear(x, panels)'s result from the 4-bit blocks the panels were rounded from, each tile made as "
         "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());
-  m.def("bf16_q8_linear", &bf16_q8_linear, nogil(),
+  m.def("bf16_q8_linear", &bf16_blocks_linear<8>, nogil(),
         "bf16_linear(x, panels)'s result from the 8-bit blocks the panels were rounded from, each tile made as "
         "needed (AMX, few rows), else bf16_linear", pybind11::arg("x"), pybind11::arg("panels"),
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
@@ -1071,7 +1069,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none());
   m.def("bf16_norm_silu_linear", &bf16_norm_silu_linear, nogil(),
         "silu_and_mul(bf16_norm_linear(x, ...)) for a gate and up weight, each tile of sums gated in cache; "
-        "bfloat16 rows on AMX (bf16_linear and bf16_q4_linear take them), float32 elsewhere",
+        "bfloat16 rows on AMX (bf16_linear, bf16_q4_linear and bf16_q8_linear take them), float32 elsewhere",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("bf16_silu_linear", &bf16_silu_linear, nogil(),
