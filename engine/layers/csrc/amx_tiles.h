@@ -21,6 +21,12 @@ struct alignas(64) Config {
   uint8_t rows[16] = {ROWS, ROWS, ROWS, ROWS, ROWS, ROWS, ROWS, ROWS};
 };
 
+// Call between writing memory with ordinary stores and loading it as tiles.
+// GCC's _tile_loadd names only the address to the compiler, not the memory
+// behind it, so a store just before it (a tile made in a buffer, a softmax's
+// p) could be moved after it; this barrier keeps every store before.
+inline void rows_written() { __asm__ volatile("" ::: "memory"); }
+
 // Whether this process may use the tiles (asked the first time).
 inline bool tiles_allowed() {
 #if defined(__linux__) && defined(__x86_64__)

@@ -605,11 +605,10 @@ inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64
     _tile_loadd(4, x + kb * 64, xstride);
     if constexpr (B != BTiles::kPanels) {
       make_tile<B>(p + kb * block_bytes<B>(), made[0]);
+      if constexpr (TWO_PANELS) make_tile<B>(p + second + kb * block_bytes<B>(), made[1]);
+      splitserve_amx::rows_written();
       _tile_loadd(6, made[0], 64);
-      if constexpr (TWO_PANELS) {
-        make_tile<B>(p + second + kb * block_bytes<B>(), made[1]);
-        _tile_loadd(7, made[1], 64);
-      }
+      if constexpr (TWO_PANELS) _tile_loadd(7, made[1], 64);
     } else {
       _tile_loadd(6, p + kb * 16 * 64, 64);
       if constexpr (TWO_PANELS) _tile_loadd(7, p + second + kb * 16 * 64, 64);

@@ -929,6 +929,31 @@ inline void qk_amx_tiles(const uint16_t* q, int64_t D, const uint16_t* kt, int64
 #undef AMX_STORE
 }
 
+// qk_amx for two tiles of rows at once (32 rows of q, D = 64), keys j0 ..
+// n16 of the block: both tiles' queries stay in tiles 4-7 throughout, and
+// each key tile's two halves (tiles 2, 3) serve both, a load for every two
+// products rather than five for four.  Each tile of sums gets the two
+// products a lone tile's would, in the same order: the same bits.
+inline void qk_amx_pair64(const uint16_t* q, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
+  constexpr int64_t D = 64;
+  _tile_loadd(4, q, D * 2);
+  _tile_loadd(5, q + 32, D * 2);
+  _tile_loadd(6, q + 16 * D, D * 2);
+  _tile_loadd(7, q + 16 * D + 32, D * 2);
+  for (int64_t j = j0; j < n16; j += KT) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, kt + j * D, 64);
+    _tile_loadd(3, kt + j * D + 32 * KT, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_dpbf16ps(1, 6, 2);
+    _tile_dpbf16ps(0, 5, 3);
+    _tile_dpbf16ps(1, 7, 3);
+    _tile_stored(0, s + j, ls * 4);
+    _tile_stored(1, s + 16 * ls + j, ls * 4);
+  }
+}
+
 // f(i, std::integral_constant<int, NT>) over [from, to) in steps of NT tiles
 // of KT (four while four fit, then what is left).
 template <typename F>
@@ -965,8 +990,11 @@ inline __m512 exp2_bf16(__m512 t) {  // t <= 0
   return _mm512_scalef_ps(p, k);
 }
 
-inline float softmax_block_bf16(const float* __restrict__ s, int64_t a, int64_t e, int64_t n, float& m, float& l,
-                                uint16_t* __restrict__ p16) {
+// Compiled once, not inlined: under -ffast-math each inlined copy may
+// associate its sums its own way, and a row's bits would then move with
+// edits to the code around its call.
+__attribute__((noinline)) float softmax_block_bf16(const float* __restrict__ s, int64_t a, int64_t e, int64_t n,
+                                                   float& m, float& l, uint16_t* __restrict__ p16) {
   const int64_t j0 = a / KT * KT, j1 = (e + KT - 1) / KT * KT;
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i va = _mm512_set1_epi32(static_cast<int32_t>(a)), ve = _mm512_set1_epi32(static_cast<int32_t>(e));
@@ -1013,12 +1041,54 @@ inline void pv_amx_tiles(const uint16_t* p, int64_t lp, int64_t jp0, int64_t jp1
 #undef AMX_STORE
 }
 
+// pv_amx for two tiles of rows at once, D = 64: rows 0-15 (p, o) over key
+// pairs jp[0] .. je[0], rows 16-31 (p + 16 lp, o + 16 D) over jp[1] .. je[1].
+// Half of o's dims at a time in tiles 0-3 (two per tile of rows), both
+// tiles' p in 4 and 5, the values' two tiles in 6 and 7, each used twice; a
+// tile of o gets the products a lone tile's would, in the same order.
+inline void pv_amx_pair64(const int64_t rows[2], const uint16_t* p, int64_t lp, const int64_t jp[2],
+                          const int64_t je[2], const uint16_t* v, const float* rescale, float* o) {
+  constexpr int64_t D = 64;
+  for (int g = 0; g < 2; ++g)
+    for (int64_t r = 0; r < rows[g]; ++r)
+      for (int64_t d = 0; d < D; ++d) o[(g * AR + r) * D + d] *= rescale[g * AR + r];
+  splitserve_amx::rows_written();  // o's rescaled rows and p
+  const uint16_t* p1 = p + AR * lp;
+  float* o1 = o + AR * D;
+  const int64_t from = std::min(jp[0], jp[1]), to = std::max(je[0], je[1]);
+  for (int64_t d0 = 0; d0 < D; d0 += 2 * KT) {
+    _tile_loadd(0, o + d0, D * 4);
+    _tile_loadd(1, o + d0 + KT, D * 4);
+    _tile_loadd(2, o1 + d0, D * 4);
+    _tile_loadd(3, o1 + d0 + KT, D * 4);
+    for (int64_t j = from; j < to; j += AR) {
+      _tile_loadd(6, v + (j * D + d0) * 2, D * 4);
+      _tile_loadd(7, v + (j * D + d0 + KT) * 2, D * 4);
+      if (j >= jp[0] && j < je[0]) {
+        _tile_loadd(4, p + j * 2, lp * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (j >= jp[1] && j < je[1]) {
+        _tile_loadd(5, p1 + j * 2, lp * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, o + d0, D * 4);
+    _tile_stored(1, o + d0 + KT, D * 4);
+    _tile_stored(2, o1 + d0, D * 4);
+    _tile_stored(3, o1 + d0 + KT, D * 4);
+  }
+}
+
 // o[r][0 .. D) = o * rescale[r] + sum over key pairs jp0 .. jp1 (multiples of
 // 16) of p[r][2j, 2j + 1] . v[2j, 2j + 1][d], for 16 rows (rows of them real).
 inline void pv_amx(int64_t rows, const uint16_t* p, int64_t lp, int64_t jp0, int64_t jp1, const uint16_t* v,
                    int64_t D, const float* rescale, float* o) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
+  splitserve_amx::rows_written();  // o's rescaled rows and p
   by_four_tiles(0, D, [&](int64_t d0, auto nt) { pv_amx_tiles<decltype(nt)::value>(p, lp, jp0, jp1, v, D, d0, o); });
 }
 #else
@@ -1028,6 +1098,11 @@ constexpr int64_t AR = 1, BKA = BK;
 constexpr bool HAS_BF16 = false;
 constexpr int64_t AR = 1, BKA = BK;
 #endif
+
+struct Scratch {
+  std::vector<float> qs, o, s, m, l, rescale;
+  std::vector<uint16_t> qs16, p16;
+};
 
 template <typename scalar_t, typename cache_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& block_tables,
@@ -1159,8 +1234,16 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
     // Whole AMX tiles of rows (AR, 1 without AMX): a padded row is computed, never read.
     const int64_t RT = QB * G, RA = (RT + AR - 1) / AR * AR;
     const int64_t bk_max = amx ? BKA : BK;
-    std::vector<float> qs(RT * D), o(RA * D), s(RA * bk_max), m(RT), l(RT), rescale(RA);
-    std::vector<uint16_t> qs16(any16 ? RA * D : 0), p16(any16 ? RA * bk_max : 0);
+    // The thread's buffers, kept from call to call (a task's zeroed
+    // allocations were 5% of a prompt's attention): every value a task reads
+    // it has written first, but for a padded row's, which are earlier
+    // tasks' finite values (or zeros) and reach only that row's sums.
+    thread_local Scratch scratch;
+    auto& [qs, o, s, m, l, rescale, qs16, p16] = scratch;
+    for (auto [v, n] : {std::pair{&qs, RT * D}, {&o, RA * D}, {&s, RA * bk_max}, {&m, RT}, {&l, RT}, {&rescale, RA}})
+      if (static_cast<int64_t>(v->size()) < n) v->resize(n);
+    for (auto [v, n] : {std::pair{&qs16, any16 ? RA * D : 0}, {&p16, any16 ? RA * bk_max : 0}})
+      if (static_cast<int64_t>(v->size()) < n) v->resize(n);
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (amx) amx_configure();
 #endif
@@ -1190,6 +1273,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
         }
       }
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+      splitserve_amx::rows_written();  // q's rows
+#endif
       const int64_t khi = hi[rows - 1];  // rows run in position order
       // Keys in blocks of bk from multiples of bk (a row's blocks are its own
       // keys', whatever else its task holds): BKA on AMX tiles, BK elsewhere.
@@ -1199,18 +1285,61 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
         const float* kt = kp + k0 * D;
         const float* vb = vp + k0 * D;
         // Rows that see none of this block's keys stay as they are (rescale 1, p 0).
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (amx && task.bf16) {
+          // Each tile of rows (or two, D = 64) through S, its softmax and P V
+          // in turn, its scores and p read back while in L1.
+          const uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
+          const uint16_t* vb16 = vpack16.get() + (vb - vpack.get());
+          // The key pairs a tile of rows starting at r0 (r of them) multiplies:
+          // 16 at a time, from its first row's first 16 (p is 0 out of a row's sight).
+          auto pairs = [&](int64_t r0, int64_t r, int64_t& jp, int64_t& je) {
+            const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
+            jp = a / 2 / AR * AR;
+            je = std::min<int64_t>(bk / 2, ((e + 1) / 2 + AR - 1) / AR * AR);
+          };
+          auto sees = [&](int64_t r0, int64_t r) { return hi[r0 + r - 1] > k0 && lo[r0] < k1; };
+          for (int64_t r0 = 0, step = AR; r0 < rows; r0 += step) {
+            const int64_t r = std::min<int64_t>(AR, rows - r0), r2 = std::min<int64_t>(AR, rows - r0 - AR);
+            const bool pair = D == 64 && r2 > 0 && sees(r0, r) && sees(r0 + AR, r2);
+            step = pair ? 2 * AR : AR;
+            if (!sees(r0, r)) continue;
+            const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
+            float* sg = s.data() + r0 * bk;
+            uint16_t* pg = p16.data() + r0 * bk;
+            if (pair)
+              qk_amx_pair64(qs16.data() + r0 * D, kt16, j0, n16, sg, bk);
+            else
+              qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, sg, bk);
+            for (int64_t i = 0; i < r + (pair ? r2 : 0); ++i) {
+              const int64_t rho = r0 + i;
+              const int64_t a = std::max(lo[rho], k0) - k0, e = std::min(hi[rho], k1) - k0;
+              if (a >= e) {
+                rescale[rho] = 1.f;
+                std::fill(pg + i * bk, pg + (i + 1) * bk, uint16_t{0});
+                continue;
+              }
+              rescale[rho] = softmax_block_bf16(sg + i * bk, a, e, bk, m[rho], l[rho], pg + i * bk);
+            }
+            if (pair) {
+              const int64_t n[2] = {r, r2};
+              int64_t jp[2], je[2];
+              pairs(r0, r, jp[0], je[0]);
+              pairs(r0 + AR, r2, jp[1], je[1]);
+              pv_amx_pair64(n, pg, bk, jp, je, vb16, rescale.data() + r0, o.data() + r0 * D);
+            } else {
+              int64_t jp, je;
+              pairs(r0, r, jp, je);
+              pv_amx(r, pg, bk, jp, je, vb16, D, rescale.data() + r0, o.data() + r0 * D);
+            }
+          }
+          continue;
+        }
+#endif
         if (task.bf16) {
 #if defined(__AVX512BF16__)
           const uint16_t* kt16 = kpack16.get() + (kt - kpack.get());
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-          for (int64_t r0 = 0; amx && r0 < rows; r0 += AR) {
-            const int64_t r = std::min<int64_t>(AR, rows - r0);
-            if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
-            const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
-            qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, s.data() + r0 * bk, bk);
-          }
-#endif
-          for (int64_t r0 = 0; !amx && r0 < rows; r0 += BR) {
+          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
             const int64_t r = std::min<int64_t>(BR, rows - r0);
             if (hi[r0 + r - 1] <= k0 || lo[r0] >= k1) continue;
             const int64_t j0 = (std::max(lo[r0], k0) - k0) / KT * KT;
@@ -1234,31 +1363,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
             if (task.bf16) std::fill(p16.data() + rho * bk, p16.data() + (rho + 1) * bk, uint16_t{0});
             continue;
           }
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-          if (amx && task.bf16) {
-            rescale[rho] = softmax_block_bf16(s.data() + rho * bk, a, e, bk, m[rho], l[rho], p16.data() + rho * bk);
-            continue;
-          }
-#endif
           rescale[rho] = softmax_block(s.data() + rho * bk, a, e, bk, m[rho], l[rho], lane);
         }
         if (task.bf16) {
 #if defined(__AVX512BF16__)
           // p in bfloat16 pairs; keys out of a row's sight have p = 0 (a pair
           // half out of sight adds 0 times a packed value, zeros past the end).
-          if (!amx) round_bf16(s.data(), p16.data(), rows * bk);  // AMX's rows wrote theirs
+          round_bf16(s.data(), p16.data(), rows * bk);
           const uint16_t* vb16 = vpack16.get() + (vb - vpack.get());
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-          for (int64_t r0 = 0; amx && r0 < rows; r0 += AR) {
-            const int64_t r = std::min<int64_t>(AR, rows - r0);
-            const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
-            if (a >= e) continue;
-            // 16 pairs of keys at a time, from a's 16 (p is 0 outside a .. e).
-            pv_amx(r, p16.data() + r0 * bk, bk, a / 2 / AR * AR, std::min<int64_t>(bk / 2, ((e + 1) / 2 + AR - 1) / AR * AR),
-                   vb16, D, rescale.data() + r0, o.data() + r0 * D);
-          }
-#endif
-          for (int64_t r0 = 0; !amx && r0 < rows; r0 += BR) {
+          for (int64_t r0 = 0; r0 < rows; r0 += BR) {
             const int64_t r = std::min<int64_t>(BR, rows - r0);
             const int64_t a = std::max(lo[r0], k0) - k0, e = std::min(hi[r0 + r - 1], k1) - k0;
             if (a >= e) continue;
