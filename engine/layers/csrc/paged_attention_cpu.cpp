@@ -930,10 +930,12 @@ inline void qk_amx_tiles(const uint16_t* q, int64_t D, const uint16_t* kt, int64
 }
 
 // qk_amx for two tiles of rows at once (32 rows of q, D = 64), keys j0 ..
-// n16 of the block: both tiles' queries stay in tiles 4-7 throughout, and
-// each key tile's two halves (tiles 2, 3) serve both, a load for every two
-// products rather than five for four.  Each tile of sums gets the two
-// products a lone tile's would, in the same order: the same bits.
+// n16 of the block (j0 the first tile's: the second's rows, later in the
+// prompt, start no earlier): both tiles' queries stay in tiles 4-7
+// throughout, and each key tile's two halves (tiles 2, 3) serve both, half
+// a tile load a product where qk_amx_tiles takes 1.25.  Each tile of sums
+// gets the two products a lone tile's would, in the same order: the same
+// bits.
 inline void qk_amx_pair64(const uint16_t* q, const uint16_t* kt, int64_t j0, int64_t n16, float* s, int64_t ls) {
   constexpr int64_t D = 64;
   _tile_loadd(4, q, D * 2);
