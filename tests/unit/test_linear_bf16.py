@@ -75,6 +75,32 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ig
         assert torch.equal(kernel.bf16_linear(x[lo:hi], panels, 100), whole[lo:hi])
 
 
+def test_many_rows_and_panels_give_a_few_rows_bits(kernel) -> None:  # type: ignore[no-untyped-def]
+    """A call of a chunk's rows or more on AMX takes 8 panels a task and K in
+    passes (K of 576: two), its sums stored and loaded back between them;
+    fewer rows take one pass.  Either way the same bits, with and without a
+    bias, a last panel not whole, and gate and up gated in the same call."""
+    gen = torch.Generator().manual_seed(45)
+    x, w, b = torch.randn(400, 576, generator=gen), torch.randn(200, 576, generator=gen), torch.randn(200)
+    panels = kernel.pack_bf16(w)
+    tol = 1e-5 * (x.bfloat16().double().abs() @ w.bfloat16().double().abs().T) + 1e-6
+    for bias in (None, b):
+        whole = kernel.bf16_linear(x, panels, 200, bias)
+        assert ((whole.double() - reference(x, w, bias)).abs() <= tol).all()
+        for lo, hi in ((0, 1), (0, 40), (150, 191), (380, 400)):
+            assert torch.equal(kernel.bf16_linear(x[lo:hi], panels, 200, bias), whole[lo:hi])
+    # gate and up 144 outputs each: 9 panels, tasks of 8 and of 1
+    gate_up = kernel.pack_bf16(torch.randn(288, 576, generator=gen))
+    norm_w = torch.rand(576, generator=gen) + 0.5
+    gated = kernel.bf16_norm_silu_linear(x, gate_up, None, 288, norm_w, 1e-6)
+    assert gated.shape == (400, 144)
+    assert torch.equal(gated, kernel.silu_and_mul(kernel.bf16_norm_linear(x, gate_up, None, 288, norm_w,
+                                                                          1e-6)).to(gated.dtype))
+    for lo, hi in ((0, 1), (0, 40), (150, 191), (380, 400)):
+        assert torch.equal(kernel.bf16_norm_silu_linear(x[lo:hi], gate_up, None, 288, norm_w, 1e-6),
+                           gated[lo:hi])
+
+
 def test_out_writes_only_its_rows(kernel) -> None:  # type: ignore[no-untyped-def]
     x, w = torch.randn(9, 64), torch.randn(20, 64)
     panels, y = kernel.pack_bf16(w), torch.full((12, 20), 7.0)

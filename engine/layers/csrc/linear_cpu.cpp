@@ -306,7 +306,9 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // time: past one row tile (MR rows) the kernel decodes a pair once and reads
   // it together in every tile (AVX-512; one panel at a time elsewhere); up to
   // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
-  const int64_t G = M <= 4 ? 4 : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
+  const int64_t G = M <= 4 ? 4
+                    : w.bf16_rows && M >= M_CHUNK && K <= AMX_HELD_K ? AMX_PANELS
+                    : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
   if (w.silu) {  // gate's panels (the first half) as tasks, each with up's panels as far on
     const int64_t half = P / 2, I = N / 2, esize = y.element_size();
     char* out = static_cast<char*>(y.data_ptr());

@@ -589,19 +589,28 @@ inline void make_tile(const uint8_t* blk, uint8_t* out) {
 // weight, whatever its rows.  Tiles: 0-3 sums (2 row tiles x 2 panels),
 // 4-5 rows of x, 6-7 panels; sum tile t stored at c[t], c_stride bytes a row.
 // The second panel starts `second` bytes after the first (the next panel's,
-// or up's for gate's: amx_silu_rows).
+// or up's for gate's: amx_silu_rows).  Blocks kb0 to kb1 of K's: from kb0 = 0
+// the sums start at zero, after it from c (a pass's sums, as the last stored
+// them: float32 stored and loaded back exactly, so the same bits as one pass).
 // B other than kPanels: p holds 4- or 8-bit blocks (pbytes a panel), each
 // block made into its tile (make_tile) as it is needed: a step of few rows
 // reads 6 or 9 bits a weight instead of the panels' 16, for the panels' bits.
 template <bool TWO_ROWS, bool TWO_PANELS, BTiles B>
-inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t second, int64_t K,
+inline void amx_block(const uint8_t* x, int64_t xstride, const uint8_t* p, int64_t second, int64_t kb0, int64_t kb1,
                       float* const (&c)[4], const int64_t (&c_stride)[4]) {
   [[maybe_unused]] alignas(64) uint8_t made[2][16 * 64];  // blocks: a block's tile for each panel
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < K / QB; ++kb) {
+  if (kb0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {  // the sums so far, as the last pass stored them
+    _tile_loadd(0, c[0], c_stride[0]);
+    if constexpr (TWO_PANELS) _tile_loadd(1, c[1], c_stride[1]);
+    if constexpr (TWO_ROWS) _tile_loadd(2, c[2], c_stride[2]);
+    if constexpr (TWO_ROWS && TWO_PANELS) _tile_loadd(3, c[3], c_stride[3]);
+  }
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     _tile_loadd(4, x + kb * 64, xstride);
     if constexpr (B != BTiles::kPanels) {
       make_tile<B>(p + kb * block_bytes<B>(), made[0]);
@@ -634,6 +643,21 @@ void amx_plain_rows(const float* x, int64_t rows, int64_t K, uint32_t* out) {
   for (int64_t i = 0; i < rows * K; ++i) o[i] = splitserve_bf16::round_bits(x[i]);
 }
 
+// The thread's tiles of sums that are not summed in y in place, for
+// AMX_PASS_TILES row tiles of `panels` panels, on a cache line.
+inline float* amx_sums(int64_t panels) {
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(AMX_PASS_TILES * panels * AMX_ROWS * NR + 16));
+  const auto at = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + (64 - at % 64) % 64 / sizeof(float);
+}
+
+// K's passes for a task of `rows` rows and `pairs` panel pairs: more than one
+// only where a row pair's share of x serves several pairs (AMX_PASS_BLOCKS).
+inline int64_t amx_passes(int64_t rows, int64_t pairs, int64_t KB) {
+  return rows > 2 * AMX_ROWS && pairs > 2 ? (KB + AMX_PASS_BLOCKS - 1) / AMX_PASS_BLOCKS : 1;
+}
+
 template <BTiles B>
 void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx, const float*,
               int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
@@ -642,37 +666,45 @@ void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const f
   _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
   const uint8_t* p = static_cast<const uint8_t*>(panels);
   const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
-  const int64_t xstride = ldx * 4;
-  alignas(64) float buf[4 * AMX_ROWS * NR];
-  for (int64_t n = 0; n < np; n += 2) {
-    const bool two_p = n + 1 < np;
-    for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
-      const bool two_r = m + AMX_ROWS < rows;
-      const uint8_t* xm = xb + m * xstride;
-      const uint8_t* pn = p + n * pbytes;
-      // A whole tile of y without a bias is stored in place; others go
-      // through buf (rows or columns past y's, the bias added as copied).
-      float* c[4];
-      int64_t c_stride[4];
-      bool direct[4];
-      for (int64_t t = 0; t < 4; ++t) {
-        const int64_t m0 = m + t / 2 * AMX_ROWS, col = (n + t % 2) * NR;
-        direct[t] = bias == nullptr && m0 + AMX_ROWS <= rows && col + NR <= cols;
-        c[t] = direct[t] ? y + m0 * ldy + col0 + col : buf + t * AMX_ROWS * NR;
-        c_stride[t] = direct[t] ? ldy * 4 : 64;
-      }
-      if (two_r && two_p) amx_block<true, true, B>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_r) amx_block<true, false, B>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else if (two_p) amx_block<false, true, B>(xm, xstride, pn, pbytes, K, c, c_stride);
-      else amx_block<false, false, B>(xm, xstride, pn, pbytes, K, c, c_stride);
-      for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt)
-        for (int64_t j = 0; j < (two_p ? 2 : 1); ++j) {
-          const int64_t m0 = m + rt * AMX_ROWS;
-          if (!direct[rt * 2 + j])
-            store_tile(buf + (rt * 2 + j) * AMX_ROWS * NR, min64(AMX_ROWS, rows - m0), bias, col0 + (n + j) * NR,
-                       min64(NR, cols - (n + j) * NR), y + m0 * ldy, ldy);
+  const int64_t xstride = ldx * 4, KB = K / QB, passes = amx_passes(rows, (np + 1) / 2, KB);
+  float* const buf = amx_sums(np);  // [row tile][panel]
+  auto tile = [&](int64_t rt, int64_t n) { return buf + (rt * np + n) * AMX_ROWS * NR; };
+  for (int64_t r0 = 0; r0 < rows; r0 += AMX_PASS_TILES * AMX_ROWS) {
+    const int64_t pass_rows = min64(AMX_PASS_TILES * AMX_ROWS, rows - r0);
+    // A whole tile of y without a bias is summed in place; others in buf
+    // (rows or columns past y's), the bias added as copied at the end.
+    auto direct = [&](int64_t rt, int64_t n) {  // row tile rt of the pass, panel n
+      return bias == nullptr && r0 + (rt + 1) * AMX_ROWS <= rows && (n + 1) * NR <= cols;
+    };
+    for (int64_t m = 0; m < pass_rows; m += 2 * AMX_ROWS) {
+      const bool two_r = m + AMX_ROWS < pass_rows;
+      const uint8_t* xm = xb + (r0 + m) * xstride;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t kb0 = KB * pass / passes, kb1 = KB * (pass + 1) / passes;
+        for (int64_t n = 0; n < np; n += 2) {  // the rows' share of x stays in L1, the panels' streams past
+          const bool two_p = n + 1 < np;
+          float* c[4];
+          int64_t c_stride[4];
+          for (int64_t t = 0; t < 4; ++t) {
+            const int64_t rt = m / AMX_ROWS + (two_r ? t / 2 : 0), pn = n + (two_p ? t % 2 : 0);
+            c[t] = direct(rt, pn) ? y + (r0 + rt * AMX_ROWS) * ldy + col0 + pn * NR : tile(rt, pn);
+            c_stride[t] = direct(rt, pn) ? ldy * 4 : NR * 4;
+          }
+          const uint8_t* pn = p + n * pbytes;
+          if (two_r && two_p) amx_block<true, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+          else if (two_r) amx_block<true, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+          else if (two_p) amx_block<false, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+          else amx_block<false, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
         }
+      }
     }
+    for (int64_t rt = 0; rt * AMX_ROWS < pass_rows; ++rt)
+      for (int64_t n = 0; n < np; ++n) {
+        const int64_t m0 = r0 + rt * AMX_ROWS;
+        if (!direct(rt, n))
+          store_tile(tile(rt, n), min64(AMX_ROWS, rows - m0), bias, col0 + n * NR, min64(NR, cols - n * NR),
+                     y + m0 * ldy, ldy);
+      }
   }
   _tile_release();
 }
@@ -1552,8 +1584,9 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
 
 #if defined(SPLITSERVE_ISA_AMX)
 // linear_isa_api.h's SiluPanelRows: panel n's gate and up tiles (amx_block's
-// two panels, up_bytes apart) for two row tiles at a time into buf, then
-// silu(gate) * up row by row, rounded, into y.
+// two panels, up_bytes apart) for two row tiles at a time, every panel (and
+// K's passes: amx_passes) in turn, into buf; then silu(gate) * up row by row,
+// rounded, into y.
 template <BTiles B>
 void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
                    int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* out, int64_t ldy) {
@@ -1562,24 +1595,33 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
   _tile_loadconfig(&cfg);  // per call: the thread may have run other tile code in between
   const uint8_t* p = static_cast<const uint8_t*>(panels);
   const uint8_t* xb = reinterpret_cast<const uint8_t*>(x);
-  const int64_t xstride = ldx * 4;
-  alignas(64) float buf[4 * AMX_ROWS * NR];  // [row tile][gate, up] tiles of sums
-  float* const c[4] = {buf, buf + AMX_ROWS * NR, buf + 2 * AMX_ROWS * NR, buf + 3 * AMX_ROWS * NR};
+  const int64_t xstride = ldx * 4, KB = K / QB, passes = amx_passes(rows, np, KB);
+  float* const buf = amx_sums(2 * np);  // [row tile][panel][gate, up]
+  auto tile = [&](int64_t rt, int64_t n, int64_t up) { return buf + ((rt * np + n) * 2 + up) * AMX_ROWS * NR; };
   const int64_t c_stride[4] = {NR * 4, NR * 4, NR * 4, NR * 4};
   alignas(64) float act[NR];
-  for (int64_t n = 0; n < np; ++n) {
-    const int64_t width = min64(NR, cols - n * NR);
-    for (int64_t m = 0; m < rows; m += 2 * AMX_ROWS) {
-      const bool two_r = m + AMX_ROWS < rows;
-      if (two_r) amx_block<true, true, B>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
-      else amx_block<false, true, B>(xb + m * xstride, xstride, p + n * pbytes, up_bytes, K, c, c_stride);
-      for (int64_t rt = 0; rt < (two_r ? 2 : 1); ++rt) {
-        const int64_t m0 = m + rt * AMX_ROWS;
-        for (int64_t i = 0; i < min64(AMX_ROWS, rows - m0); ++i) {
-          silu_mul_panel(c[2 * rt] + i * NR, c[2 * rt + 1] + i * NR, act);
-          uint16_t* dst = y + (m0 + i) * ldy + col0 + n * NR;
-          for (int64_t j = 0; j < width; ++j) dst[j] = splitserve_bf16::round_bits(act[j]);
+  for (int64_t r0 = 0; r0 < rows; r0 += AMX_PASS_TILES * AMX_ROWS) {
+    const int64_t pass_rows = min64(AMX_PASS_TILES * AMX_ROWS, rows - r0);
+    for (int64_t m = 0; m < pass_rows; m += 2 * AMX_ROWS) {
+      const bool two_r = m + AMX_ROWS < pass_rows;
+      const int64_t rt = m / AMX_ROWS, rt2 = two_r ? rt + 1 : rt;  // no second tile: never written
+      const uint8_t* xm = xb + (r0 + m) * xstride;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t kb0 = KB * pass / passes, kb1 = KB * (pass + 1) / passes;
+        for (int64_t n = 0; n < np; ++n) {  // the rows' share of x stays in L1, the panels' streams past
+          float* const c[4] = {tile(rt, n, 0), tile(rt, n, 1), tile(rt2, n, 0), tile(rt2, n, 1)};
+          if (two_r) amx_block<true, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
+          else amx_block<false, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
         }
+      }
+    }
+    for (int64_t n = 0; n < np; ++n) {
+      const int64_t width = min64(NR, cols - n * NR);
+      for (int64_t i = 0; i < pass_rows; ++i) {
+        const int64_t rt = i / AMX_ROWS, r = i % AMX_ROWS;
+        silu_mul_panel(tile(rt, n, 0) + r * NR, tile(rt, n, 1) + r * NR, act);
+        uint16_t* dst = y + (r0 + i) * ldy + col0 + n * NR;
+        for (int64_t j = 0; j < width; ++j) dst[j] = splitserve_bf16::round_bits(act[j]);
       }
     }
   }

@@ -91,6 +91,17 @@ extern const RowsTimesPanels kBf16Rows;
 // x as plain bfloat16 rows, ldx pairs a row, zero rows after the last up to a
 // multiple of AMX_ROWS.  Its float32 sums are not kBf16Rows's bits.
 constexpr int64_t AMX_ROWS = 16;
+// A task of many rows (M_CHUNK or more) on AMX where K is at most
+// AMX_HELD_K takes AMX_PANELS panels (linear_cpu.cpp's G), and each pair of
+// row tiles goes through K in passes of about AMX_PASS_BLOCKS blocks of 32
+// inputs: the pair's share of x for a pass (18 KB) stays in L1 while every
+// panel's share streams past, the sums stored between passes.  A tile load
+// costs about as much as a product here, and one from L2 more (see
+// benchmarks/README.md, session 45).  Rows go AMX_PASS_TILES tiles at a time.
+constexpr int64_t AMX_PANELS = 8;
+constexpr int64_t AMX_HELD_K = 1024;
+constexpr int64_t AMX_PASS_BLOCKS = 9;
+constexpr int64_t AMX_PASS_TILES = 12;
 extern const RowsTimesPanels kAmxBf16Rows;
 // kAmxBf16Rows's bits from the 4-bit blocks (q4's layout, pbytes a panel) the
 // panels were rounded from, each block made into its tile as it is needed:
