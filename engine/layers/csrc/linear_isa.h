@@ -658,6 +658,18 @@ inline int64_t amx_passes(int64_t rows, int64_t pairs, int64_t KB) {
   return rows > 2 * AMX_ROWS && pairs > 2 ? (KB + AMX_PASS_BLOCKS - 1) / AMX_PASS_BLOCKS : 1;
 }
 
+// fn(m, two_r, kb0, kb1, n) for each pair of row tiles from row m of a pass's
+// pass_rows rows (two_r: the second tile has rows), each of K's passes
+// (blocks kb0 to kb1), each panel n of np, n_step at a time: in that order,
+// so that the rows' share of x stays in L1 while the panels' streams past.
+template <typename Fn>
+inline void amx_each_block(int64_t pass_rows, int64_t KB, int64_t passes, int64_t np, int64_t n_step, const Fn& fn) {
+  for (int64_t m = 0; m < pass_rows; m += 2 * AMX_ROWS)
+    for (int64_t pass = 0; pass < passes; ++pass)
+      for (int64_t n = 0; n < np; n += n_step)
+        fn(m, m + AMX_ROWS < pass_rows, KB * pass / passes, KB * (pass + 1) / passes, n);
+}
+
 template <BTiles B>
 void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx, const float*,
               int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y, int64_t ldy) {
@@ -676,28 +688,23 @@ void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const f
     auto direct = [&](int64_t rt, int64_t n) {  // row tile rt of the pass, panel n
       return bias == nullptr && r0 + (rt + 1) * AMX_ROWS <= rows && (n + 1) * NR <= cols;
     };
-    for (int64_t m = 0; m < pass_rows; m += 2 * AMX_ROWS) {
-      const bool two_r = m + AMX_ROWS < pass_rows;
+    amx_each_block(pass_rows, KB, passes, np, 2, [&](int64_t m, bool two_r, int64_t kb0, int64_t kb1, int64_t n) {
+      const bool two_p = n + 1 < np;
       const uint8_t* xm = xb + (r0 + m) * xstride;
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t kb0 = KB * pass / passes, kb1 = KB * (pass + 1) / passes;
-        for (int64_t n = 0; n < np; n += 2) {  // the rows' share of x stays in L1, the panels' streams past
-          const bool two_p = n + 1 < np;
-          float* c[4];
-          int64_t c_stride[4];
-          for (int64_t t = 0; t < 4; ++t) {
-            const int64_t rt = m / AMX_ROWS + (two_r ? t / 2 : 0), pn = n + (two_p ? t % 2 : 0);
-            c[t] = direct(rt, pn) ? y + (r0 + rt * AMX_ROWS) * ldy + col0 + pn * NR : tile(rt, pn);
-            c_stride[t] = direct(rt, pn) ? ldy * 4 : NR * 4;
-          }
-          const uint8_t* pn = p + n * pbytes;
-          if (two_r && two_p) amx_block<true, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
-          else if (two_r) amx_block<true, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
-          else if (two_p) amx_block<false, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
-          else amx_block<false, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
-        }
+      float* c[4];
+      int64_t c_stride[4];
+      for (int64_t t = 0; t < 4; ++t) {
+        const int64_t rt = m / AMX_ROWS + (two_r ? t / 2 : 0), pn = n + (two_p ? t % 2 : 0);
+        const bool in_y = direct(rt, pn);
+        c[t] = in_y ? y + (r0 + rt * AMX_ROWS) * ldy + col0 + pn * NR : tile(rt, pn);
+        c_stride[t] = in_y ? ldy * 4 : NR * 4;
       }
-    }
+      const uint8_t* pn = p + n * pbytes;
+      if (two_r && two_p) amx_block<true, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+      else if (two_r) amx_block<true, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+      else if (two_p) amx_block<false, true, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+      else amx_block<false, false, B>(xm, xstride, pn, pbytes, kb0, kb1, c, c_stride);
+    });
     for (int64_t rt = 0; rt * AMX_ROWS < pass_rows; ++rt)
       for (int64_t n = 0; n < np; ++n) {
         const int64_t m0 = r0 + rt * AMX_ROWS;
@@ -1602,19 +1609,13 @@ void amx_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t
   alignas(64) float act[NR];
   for (int64_t r0 = 0; r0 < rows; r0 += AMX_PASS_TILES * AMX_ROWS) {
     const int64_t pass_rows = min64(AMX_PASS_TILES * AMX_ROWS, rows - r0);
-    for (int64_t m = 0; m < pass_rows; m += 2 * AMX_ROWS) {
-      const bool two_r = m + AMX_ROWS < pass_rows;
+    amx_each_block(pass_rows, KB, passes, np, 1, [&](int64_t m, bool two_r, int64_t kb0, int64_t kb1, int64_t n) {
       const int64_t rt = m / AMX_ROWS, rt2 = two_r ? rt + 1 : rt;  // no second tile: never written
       const uint8_t* xm = xb + (r0 + m) * xstride;
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t kb0 = KB * pass / passes, kb1 = KB * (pass + 1) / passes;
-        for (int64_t n = 0; n < np; ++n) {  // the rows' share of x stays in L1, the panels' streams past
-          float* const c[4] = {tile(rt, n, 0), tile(rt, n, 1), tile(rt2, n, 0), tile(rt2, n, 1)};
-          if (two_r) amx_block<true, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
-          else amx_block<false, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
-        }
-      }
-    }
+      float* const c[4] = {tile(rt, n, 0), tile(rt, n, 1), tile(rt2, n, 0), tile(rt2, n, 1)};
+      if (two_r) amx_block<true, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
+      else amx_block<false, true, B>(xm, xstride, p + n * pbytes, up_bytes, kb0, kb1, c, c_stride);
+    });
     for (int64_t n = 0; n < np; ++n) {
       const int64_t width = min64(NR, cols - n * NR);
       for (int64_t i = 0; i < pass_rows; ++i) {
