@@ -974,53 +974,136 @@ inline void qk_amx(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t j0,
   by_four_tiles(j0, n16, [&](int64_t j, auto nt) { qk_amx_tiles<decltype(nt)::value>(q, D, kt, j, s, ls); });
 }
 
-// softmax_block for rows on AMX tiles, p written as bfloat16 (p16[0..n)) in
-// the same pass.  p is rounded to bfloat16 (8 significant bits) before its
-// products, so its exp need not carry float32's 24: 2^(x log2 e) as 2^k
-// times a degree-4 polynomial of the fraction in [-1/2, 1/2] (relative
-// error under 6e-5, against bfloat16's rounding step of 4e-3), about half the
-// instructions of exp_neg, which was most of these rows' time.  The sum l
-// adds p before its rounding, as the other paths do.
+// 2^t for t <= 0, for p that is rounded to bfloat16 (8 significant bits)
+// before its products, so it need not carry float32's 24: 2^floor(t) (one
+// vscalefps) times a degree-3 polynomial of t - floor(t) (one vreduceps), a
+// relative error under 8e-5 against bfloat16's rounding step of 4e-3.  With
+// the vcvtne2ps2bf16 below, the whole attention ran 1.1x as fast as with the
+// degree-4 polynomial of a rounded t this replaced (Intel Xeon with AMX,
+// family 6 model 207).
 inline __m512 exp2_bf16(__m512 t) {  // t <= 0
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, k);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);  // (ln 2)^i / i!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t), in [0, 1)
+  __m512 p = _mm512_set1_ps(7.802452147006989e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671705007553e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335041999817e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251961708069e-1f));
+  return _mm512_scalef_ps(p, t);  // times 2^floor(t)
 }
 
-// Compiled once, not inlined: under -ffast-math each inlined copy may
-// associate its sums its own way, and a row's bits would then move with
-// edits to the code around its call.
-__attribute__((noinline)) float softmax_block_bf16(const float* __restrict__ s, int64_t a, int64_t e, int64_t n,
-                                                   float& m, float& l, uint16_t* __restrict__ p16) {
-  const int64_t j0 = a / KT * KT, j1 = (e + KT - 1) / KT * KT;
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i va = _mm512_set1_epi32(static_cast<int32_t>(a)), ve = _mm512_set1_epi32(static_cast<int32_t>(e));
-  auto seen = [&](int64_t j) -> __mmask16 {
-    if (j >= a && j + KT <= e) return 0xFFFF;
-    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j)));
-    return _mm512_cmpge_epi32_mask(idx, va) & _mm512_cmplt_epi32_mask(idx, ve);
-  };
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::max());
-  for (int64_t j = j0; j < j1; j += KT) mx = _mm512_mask_max_ps(mx, seen(j), mx, _mm512_loadu_ps(s + j));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
-  std::fill(p16, p16 + j0, uint16_t{0});
-  std::fill(p16 + j1, p16 + n, uint16_t{0});
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(-m_new * 1.44269504088896341f);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = j0; j < j1; j += KT) {
-    const __m512 p = _mm512_maskz_mov_ps(seen(j), exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), log2e, shift)));
-    sum = _mm512_add_ps(sum, p);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j), (__m256i)_mm512_cvtneps_pbh(p));
+// out[i] = the max of the 16 lanes of v[i], i < 16 (lane_sums' tree, with max).
+inline __m512 lane_maxes(const __m512 (&v)[16]) {
+  f32x16 w[8], x[4], y[2];
+  auto mx = [](f32x16 p, f32x16 q) { return p > q ? p : q; };
+  auto f = [](__m512 u) { return reinterpret_cast<f32x16>(u); };
+  for (int j = 0; j < 8; ++j)
+    w[j] = mx(__builtin_shufflevector(f(v[2 * j]), f(v[2 * j + 1]), 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+              __builtin_shufflevector(f(v[2 * j]), f(v[2 * j + 1]), 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  for (int j = 0; j < 4; ++j)
+    x[j] = mx(__builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+              __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+  for (int j = 0; j < 2; ++j)
+    y[j] = mx(__builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+              __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+  return reinterpret_cast<__m512>(
+      mx(__builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)));
+}
+
+// One row's keys [a, e) of a block (a < e): 16 at a time from a / 16, the
+// vectors it sees whole [w0, w1) unmasked, the first and last under a mask.
+struct RowKeys {
+  int64_t j0, j1, w0, w1;
+  __mmask16 first, last;
+  RowKeys(int64_t a, int64_t e) {
+    j0 = a / KT * KT, j1 = (e + KT - 1) / KT * KT;
+    w0 = (a + KT - 1) / KT * KT, w1 = std::max(w0, e / KT * KT);
+    first = seen(j0, a, e), last = seen(w1, a, e);
   }
-  const float rescale = exp_neg1(m - m_new);
-  l = l * rescale + _mm512_reduce_add_ps(sum);
-  m = m_new;
-  return rescale;
+  static __mmask16 seen(int64_t j, int64_t a, int64_t e) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(j)));
+    return _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(static_cast<int32_t>(a))) &
+           _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(static_cast<int32_t>(e)));
+  }
+};
+
+// softmax_block for the rows of one AMX tile (rows <= 16 of them, s and p16
+// rows n apart, row r's keys [a[r], e[r])), p written as bfloat16 in the same
+// pass: the keys a row sees whole 32 at a time, unmasked, rounded by one
+// vcvtne2ps2bf16, its first and last 16 under a mask.  The rows' maxima,
+// their factors exp(m - m_new) and their sums come 16 rows to a vector
+// (lane_maxes, lane_sums: each row's lanes through the same tree, so a row's
+// bits do not depend on the rows beside it); a row at a time, those
+// reductions and the scalar exp were 40% of the softmax.  The sum l adds p
+// before its rounding, as the other paths do, in key order.  A row with no
+// key in sight (a >= e) keeps m and l, gets rescale 1 and p 0.  Compiled
+// once, not inlined: under -ffast-math each inlined copy may associate its
+// sums its own way, and a row's bits would then move with edits to the code
+// around its call.
+__attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, int64_t rows, const int64_t* a,
+                                                 const int64_t* e, int64_t n, float* __restrict__ m,
+                                                 float* __restrict__ l, uint16_t* __restrict__ p16,
+                                                 float* __restrict__ rescale) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  __m512 part[AR];
+  for (int64_t r = 0; r < AR; ++r) {
+    part[r] = lowest;
+    if (r >= rows || a[r] >= e[r]) continue;
+    const RowKeys k(a[r], e[r]);
+    const float* sr = s + r * n;
+    __m512 mx = lowest;
+    if (k.j0 < k.w0) mx = _mm512_mask_max_ps(mx, k.first, mx, _mm512_loadu_ps(sr + k.j0));
+    for (int64_t j = k.w0; j < k.w1; j += KT) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+    if (k.w1 < k.j1) mx = _mm512_mask_max_ps(mx, k.last, mx, _mm512_loadu_ps(sr + k.w1));
+    part[r] = mx;
+  }
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 m_old = _mm512_mask_loadu_ps(lowest, live, m);
+  const __m512 m_new = _mm512_max_ps(m_old, lane_maxes(part));
+  alignas(64) float shift[AR];
+  _mm512_store_ps(shift, _mm512_mul_ps(m_new, _mm512_set1_ps(-1.44269504088896341f)));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  for (int64_t r = 0; r < AR; ++r) {
+    part[r] = _mm512_setzero_ps();
+    if (r >= rows) continue;
+    uint16_t* pr = p16 + r * n;
+    if (a[r] >= e[r]) {
+      std::fill(pr, pr + n, uint16_t{0});
+      continue;
+    }
+    const RowKeys k(a[r], e[r]);
+    const float* sr = s + r * n;
+    const __m512 sh = _mm512_set1_ps(shift[r]);
+    auto t_of = [&](int64_t j) { return _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), log2e, sh); };
+    std::fill(pr, pr + k.j0, uint16_t{0});
+    std::fill(pr + k.j1, pr + n, uint16_t{0});
+    __m512 sum = _mm512_setzero_ps();
+    auto one = [&](int64_t j, __mmask16 seen) {
+      const __m512 p = _mm512_maskz_mov_ps(seen, exp2_bf16(t_of(j)));
+      sum = _mm512_add_ps(sum, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
+    };
+    if (k.j0 < k.w0) one(k.j0, k.first);
+    int64_t j = k.w0;
+    for (; j + 2 * KT <= k.w1; j += 2 * KT) {
+      const __m512 p0 = exp2_bf16(t_of(j));
+      sum = _mm512_add_ps(sum, p0);
+      const __m512 p1 = exp2_bf16(t_of(j + KT));
+      sum = _mm512_add_ps(sum, p1);
+      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    if (j < k.w1) one(j, 0xFFFF);
+    if (k.w1 < k.j1) one(k.w1, k.last);
+    part[r] = sum;
+  }
+  f32x16 sums[AR];
+  for (int64_t r = 0; r < AR; ++r) sums[r] = reinterpret_cast<f32x16>(part[r]);
+  const __m512 total = reinterpret_cast<__m512>(lane_sums(sums));
+  const __m512 factor = reinterpret_cast<__m512>(exp_neg(reinterpret_cast<vf>(_mm512_sub_ps(m_old, m_new))));
+  const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, l), factor, total);
+  _mm512_mask_storeu_ps(m, live, m_new);
+  _mm512_mask_storeu_ps(l, live, l_new);
+  _mm512_mask_storeu_ps(rescale, live, factor);
 }
 
 // o's dims d0 .. d0 + 16 NT += sum over key pairs jp0 .. jp1 of p . v (below).
@@ -1053,7 +1136,8 @@ inline void pv_amx_pair64(const int64_t rows[2], const uint16_t* p, int64_t lp, 
   constexpr int64_t D = 64;
   for (int g = 0; g < 2; ++g)
     for (int64_t r = 0; r < rows[g]; ++r)
-      for (int64_t d = 0; d < D; ++d) o[(g * AR + r) * D + d] *= rescale[g * AR + r];
+      if (rescale[g * AR + r] != 1.f)  // most blocks move no row's max: o as it is
+        for (int64_t d = 0; d < D; ++d) o[(g * AR + r) * D + d] *= rescale[g * AR + r];
   splitserve_amx::rows_written();  // o's rescaled rows and p
   const uint16_t* p1 = p + AR * lp;
   float* o1 = o + AR * D;
@@ -1089,7 +1173,8 @@ inline void pv_amx_pair64(const int64_t rows[2], const uint16_t* p, int64_t lp, 
 inline void pv_amx(int64_t rows, const uint16_t* p, int64_t lp, int64_t jp0, int64_t jp1, const uint16_t* v,
                    int64_t D, const float* rescale, float* o) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
+    if (rescale[r] != 1.f)
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale[r];
   splitserve_amx::rows_written();  // o's rescaled rows and p
   by_four_tiles(0, D, [&](int64_t d0, auto nt) { pv_amx_tiles<decltype(nt)::value>(p, lp, jp0, jp1, v, D, d0, o); });
 }
@@ -1313,15 +1398,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
               qk_amx_pair64(qs16.data() + r0 * D, kt16, j0, n16, sg, bk);
             else
               qk_amx(qs16.data() + r0 * D, D, kt16, j0, n16, sg, bk);
-            for (int64_t i = 0; i < r + (pair ? r2 : 0); ++i) {
-              const int64_t rho = r0 + i;
-              const int64_t a = std::max(lo[rho], k0) - k0, e = std::min(hi[rho], k1) - k0;
-              if (a >= e) {
-                rescale[rho] = 1.f;
-                std::fill(pg + i * bk, pg + (i + 1) * bk, uint16_t{0});
-                continue;
+            for (int64_t t0 = 0; t0 < r + (pair ? r2 : 0); t0 += AR) {
+              const int64_t nr = t0 == 0 ? r : r2;
+              int64_t a[AR], e[AR];
+              for (int64_t i = 0; i < nr; ++i) {
+                const int64_t rho = r0 + t0 + i;
+                a[i] = std::max(lo[rho], k0) - k0, e[i] = std::min(hi[rho], k1) - k0;
               }
-              rescale[rho] = softmax_block_bf16(sg + i * bk, a, e, bk, m[rho], l[rho], pg + i * bk);
+              softmax_tile_bf16(sg + t0 * bk, nr, a, e, bk, m.data() + r0 + t0, l.data() + r0 + t0,
+                                pg + t0 * bk, rescale.data() + r0 + t0);
             }
             if (pair) {
               const int64_t n[2] = {r, r2};
