@@ -242,24 +242,29 @@ inline void add_weighted_rows_heads(float* __restrict__ a, const float* __restri
 }
 #endif
 
-// out[i] = the sum of the 16 lanes of v[i], i < 16: a tree of two-vector
-// shuffles and adds (15 adds for 16 sums, against 4 a sum one vector at a
-// time), the same tree GCC's vectorized sum of one vector takes, so the same
-// bits.  AVX-512 only (DW == 16).
-inline f32x16 lane_sums(const f32x16 (&v)[16]) {
+// out[i] = op over the 16 lanes of v[i], i < 16: a tree of two-vector
+// shuffles and ops (15 ops for 16 results, against 4 a result one vector at a
+// time).  lane_sums: the same tree GCC's vectorized sum of one vector takes,
+// so the same bits.  AVX-512 only (DW == 16).
+template <typename Op>
+inline f32x16 lane_reduce(const f32x16 (&v)[16], Op op) {
   f32x16 w[8], x[4], y[2];
-  for (int j = 0; j < 8; ++j)  // halves: lanes 0-7 of v[2j]'s partial sums, 8-15 v[2j + 1]'s
-    w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
+  for (int j = 0; j < 8; ++j)  // halves: lanes 0-7 of v[2j]'s partial results, 8-15 v[2j + 1]'s
+    w[j] = op(__builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+              __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                      31));
   for (int j = 0; j < 4; ++j)  // quarters: 4 lanes each of v[4j .. 4j + 3]
-    x[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    x[j] = op(__builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+              __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
   for (int j = 0; j < 2; ++j)  // pairs: 2 lanes each of v[8j .. 8j + 7]
-    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    y[j] = op(__builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+              __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+  return op(__builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+            __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+
+inline f32x16 lane_sums(const f32x16 (&v)[16]) {
+  return lane_reduce(v, [](f32x16 p, f32x16 q) { return p + q; });
 }
 
 // One head's softmax over a span's n scores sh: m becomes their max, sh
@@ -990,23 +995,8 @@ inline __m512 exp2_bf16(__m512 t) {  // t <= 0
   return _mm512_scalef_ps(p, t);  // times 2^floor(t)
 }
 
-// out[i] = the max of the 16 lanes of v[i], i < 16 (lane_sums' tree, with max).
-inline __m512 lane_maxes(const __m512 (&v)[16]) {
-  f32x16 w[8], x[4], y[2];
-  auto mx = [](f32x16 p, f32x16 q) { return p > q ? p : q; };
-  auto f = [](__m512 u) { return reinterpret_cast<f32x16>(u); };
-  for (int j = 0; j < 8; ++j)
-    w[j] = mx(__builtin_shufflevector(f(v[2 * j]), f(v[2 * j + 1]), 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-              __builtin_shufflevector(f(v[2 * j]), f(v[2 * j + 1]), 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
-  for (int j = 0; j < 4; ++j)
-    x[j] = mx(__builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-              __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
-  for (int j = 0; j < 2; ++j)
-    y[j] = mx(__builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
-              __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
-  return reinterpret_cast<__m512>(
-      mx(__builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)));
+inline f32x16 lane_maxes(const f32x16 (&v)[16]) {
+  return lane_reduce(v, [](f32x16 p, f32x16 q) { return p > q ? p : q; });
 }
 
 // One row's keys [a, e) of a block (a < e): 16 at a time from a / 16, the
@@ -1045,9 +1035,9 @@ __attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, in
                                                  float* __restrict__ l, uint16_t* __restrict__ p16,
                                                  float* __restrict__ rescale) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
-  __m512 part[AR];
+  f32x16 part[AR];  // per row: its lanes' maxima, then their sums
   for (int64_t r = 0; r < AR; ++r) {
-    part[r] = lowest;
+    part[r] = reinterpret_cast<f32x16>(lowest);
     if (r >= rows || a[r] >= e[r]) continue;
     const RowKeys k(a[r], e[r]);
     const float* sr = s + r * n;
@@ -1064,16 +1054,16 @@ __attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, in
     if (j < k.w1) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
     mx = _mm512_max_ps(mx, mx2);
     if (k.w1 < k.j1) mx = _mm512_mask_max_ps(mx, k.last, mx, _mm512_loadu_ps(sr + k.w1));
-    part[r] = mx;
+    part[r] = reinterpret_cast<f32x16>(mx);
   }
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
   const __m512 m_old = _mm512_mask_loadu_ps(lowest, live, m);
-  const __m512 m_new = _mm512_max_ps(m_old, lane_maxes(part));
+  const __m512 m_new = _mm512_max_ps(m_old, reinterpret_cast<__m512>(lane_maxes(part)));
   alignas(64) float shift[AR];
   _mm512_store_ps(shift, _mm512_mul_ps(m_new, _mm512_set1_ps(-1.44269504088896341f)));
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   for (int64_t r = 0; r < AR; ++r) {
-    part[r] = _mm512_setzero_ps();
+    part[r] = f32x16{};
     if (r >= rows) continue;
     uint16_t* pr = p16 + r * n;
     if (a[r] >= e[r]) {
@@ -1103,11 +1093,9 @@ __attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, in
     }
     if (j < k.w1) one(j, 0xFFFF);
     if (k.w1 < k.j1) one(k.w1, k.last);
-    part[r] = sum;
+    part[r] = reinterpret_cast<f32x16>(sum);
   }
-  f32x16 sums[AR];
-  for (int64_t r = 0; r < AR; ++r) sums[r] = reinterpret_cast<f32x16>(part[r]);
-  const __m512 total = reinterpret_cast<__m512>(lane_sums(sums));
+  const __m512 total = reinterpret_cast<__m512>(lane_sums(part));
   const __m512 factor = reinterpret_cast<__m512>(exp_neg(reinterpret_cast<vf>(_mm512_sub_ps(m_old, m_new))));
   const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, l), factor, total);
   _mm512_mask_storeu_ps(m, live, m_new);
