@@ -1002,8 +1002,9 @@ inline f32x16 lane_maxes(const f32x16 (&v)[16]) {
 // One row's keys [a, e) of a block (a < e): 16 at a time from a / 16, the
 // vectors it sees whole [w0, w1) unmasked, the first and last under a mask.
 struct RowKeys {
-  int64_t j0, j1, w0, w1;
-  __mmask16 first, last;
+  int64_t j0 = 0, j1 = 0, w0 = 0, w1 = 0;
+  __mmask16 first = 0, last = 0;
+  RowKeys() = default;
   RowKeys(int64_t a, int64_t e) {
     j0 = a / KT * KT, j1 = (e + KT - 1) / KT * KT;
     w0 = (a + KT - 1) / KT * KT, w1 = std::max(w0, e / KT * KT);
@@ -1036,10 +1037,11 @@ __attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, in
                                                  float* __restrict__ rescale) {
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
   f32x16 part[AR];  // per row: its lanes' maxima, then their sums
+  RowKeys keys[AR];  // per row with a key in sight
   for (int64_t r = 0; r < AR; ++r) {
     part[r] = reinterpret_cast<f32x16>(lowest);
     if (r >= rows || a[r] >= e[r]) continue;
-    const RowKeys k(a[r], e[r]);
+    const RowKeys& k = keys[r] = RowKeys(a[r], e[r]);
     const float* sr = s + r * n;
     __m512 mx = lowest;
     if (k.j0 < k.w0) mx = _mm512_mask_max_ps(mx, k.first, mx, _mm512_loadu_ps(sr + k.j0));
@@ -1070,7 +1072,7 @@ __attribute__((noinline)) void softmax_tile_bf16(const float* __restrict__ s, in
       std::fill(pr, pr + n, uint16_t{0});
       continue;
     }
-    const RowKeys k(a[r], e[r]);
+    const RowKeys& k = keys[r];
     const float* sr = s + r * n;
     const __m512 sh = _mm512_set1_ps(shift[r]);
     auto t_of = [&](int64_t j) { return _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), log2e, sh); };
