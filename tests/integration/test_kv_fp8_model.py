@@ -47,6 +47,16 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 #   int8; Zen 5)
 #   bfloat16 decodes (--decode-   99.74%       100.00%        0.039       0.0051
 #   dtype bfloat16; Zen 4, session 30)
+#   bfloat16 weights (--decode-  99.74%       100.00%        0.060       0.0060
+#   dtype bfloat16-weights;
+#   Intel Xeon with AMX)
+#   the same, Zen 4's AVX512-   98.96%       100.00%        0.047       0.0065
+#   BF16 panels (session 47)
+# bfloat16-weights rounds every weight to bfloat16, as a bfloat16 model does
+# (bfloat16 decodes keep the 4-bit q values exact), so its near-ties flip with
+# the kernel's order of sums: AMX tiles and AVX512-BF16 panels differ by 3
+# positions of 384, none of them decided.  Its floor over all positions is
+# 98%, between bfloat16 decodes' and the bfloat16 model's; decided, 99%.
 # Issue 19 asks >= 99% top-1 agreement for e4m3.  Over all positions it does
 # not hold on this 135M model, nor does it for the bfloat16 model every
 # deployment accepts: 9 of e4m3's 13 misses (8 of bfloat16's 10) are near-ties
@@ -58,7 +68,7 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 DECIDED = 0.25
 MIN_AGREEMENT = {"fp8_e4m3": (0.95, 0.99), "fp8_e5m2": (0.90, 0.95), "bf16_model": (0.95, 0.99),
                  "bfloat16": (0.99, 0.99), "float16": (0.99, 0.99), "bf16_prefill": (0.99, 0.99),
-                 "int8_decode": (0.93, 0.97), "bf16_decode": (0.99, 0.99), "bf16w_decode": (0.99, 0.99)}
+                 "int8_decode": (0.93, 0.97), "bf16_decode": (0.99, 0.99), "bf16w_decode": (0.98, 0.99)}
 
 
 def _runner(model_dir, dtype: str, kv: str, prefill: str = "auto",  # type: ignore[no-untyped-def]
