@@ -48,7 +48,12 @@ makes each tile from the blocks instead (6 bits a weight read, not 16; the
 same bits), and an 8-bit head's through kernel.bf16_q8_linear (9 bits a
 weight; on the Intel Xeon with AMX, family 6 model 207, a decode step of
 one sequence 0.87-0.91x the time with the panels, of 8-16 0.92-0.95x, of
-32 0.97-1.07x; the same tokens).  The norm or SiLU ahead of a projection
+32 0.97-1.07x; the same tokens).  Without AMX (vdpbf16ps, with AVX512-VBMI)
+the same two calls make the panels' pairs from the blocks, a block at a
+time, for steps of up to 12 such rows (one tile of x; the same bits): on a
+Zen 4 (family 25 model 17) a decode step of one sequence 0.75x the time
+with the panels (8.8-9.1 against 11.8-12.0 ms), served 9.5 against 12.8 ms
+a token.  The norm or SiLU ahead of a projection
 runs in its call (kernel.bf16_norm_linear, bf16_silu_linear: each row
 normed or gated as it is rounded, the separate calls' bits), for prompt
 rows too where they share the panels.  The gate and up projection also
@@ -296,8 +301,8 @@ class PackedLinear(nn.Module):
     def enable_bf16_weights(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens on bfloat16 panels
         (held once, shared with the prompt rows under enable_bf16); a layer of
-        4- or 8-bit blocks on AMX makes few rows' tiles from its blocks, the
-        same bits."""
+        4- or 8-bit blocks makes few rows' AMX tiles (or vdpbf16ps's pairs)
+        from its blocks, the same bits."""
         self._hold_bf16()
         self.bf16_weights = True
         self.prompt_rows = rows
@@ -392,7 +397,8 @@ class PackedLinear(nn.Module):
         bfloat16 decode paths only (None elsewhere)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
         if self.bf16_weights and self.bf16 is not None:
-            # The bfloat16 panels (or tiles made from the 4- or 8-bit blocks, few rows, AMX): forward's path.
+            # The bfloat16 panels (or tiles or pairs made from the 4- or 8-bit blocks, few rows):
+            # forward's path.
             panels, blocks = self.bf16, self._tile_blocks
             gated = None if bias is not None else (
                 lambda x, w, eps, res: kernel.bf16_norm_silu_linear(x, panels, blocks, n, w, eps, res))
@@ -411,7 +417,7 @@ class PackedLinear(nn.Module):
 
     @property
     def _tile_blocks(self) -> torch.Tensor | None:
-        """The blocks enable_bf16_weights' AMX tiles are made from for few
+        """The blocks enable_bf16_weights' AMX tiles (or pairs) are made from for few
         rows (bf16_q4_linear, bf16_q8_linear): the 4-bit ones, else the 8-bit
         ones (a head), else None."""
         return self.q4 if self.q4 is not None else self.q8
@@ -445,7 +451,7 @@ class PackedLinear(nn.Module):
         kernel, n, bias = self.kernel, self.out_features, self.bias
         blocks: torch.Tensor | None
         if self.bf16_weights and self._tile_blocks is not None:
-            # The panels' bits, made from the 4- or 8-bit blocks where AMX runs (few rows).
+            # The panels' bits, made from the 4- or 8-bit blocks (few rows).
             panels, tiles, fn = self.bf16, self._tile_blocks, self._blocks_linear()
             return (lambda x: fn(x, panels, tiles, n)) if bias is None else \
                 (lambda x: fn(x, panels, tiles, n, bias))

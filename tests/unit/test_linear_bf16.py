@@ -182,12 +182,13 @@ def test_generated_rows_on_the_bf16_panels(kernel) -> None:  # type: ignore[no-u
         assert torch.equal(lin.forward(x[:21]), bf[:21])
 
 
-# One AMX row tile, two, and past them (the panels).
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 70])
+# vdpbf16ps: one tile of x (12 rows) and past it; AMX: one row tile, two, and past them (the panels).
+@pytest.mark.parametrize("m", [1, 3, 12, 13, 16, 17, 32, 33, 70])
 def test_tiles_made_from_the_4bit_blocks_give_the_panels_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
     """decode_dtype=bfloat16-weights, a 4-bit layer: bf16_q4_linear makes
-    each AMX tile from the blocks the panels were rounded from (few rows), or
-    runs the panels (more rows, or vdpbf16ps): bf16_linear's bits either way."""
+    each AMX tile (or vdpbf16ps's pairs) from the blocks the panels were
+    rounded from (few rows), or runs the panels (more rows): bf16_linear's
+    bits either way."""
     gen = torch.Generator().manual_seed(m)
     for n, k_in in ((200, 96), (48, 576), (7, 64)):
         lin = nn.Linear(k_in, n)
@@ -202,14 +203,15 @@ def test_tiles_made_from_the_4bit_blocks_give_the_panels_bits(kernel, m: int) ->
             want = kernel.bf16_linear(x, panels, n, bias)
             assert torch.equal(kernel.bf16_q4_linear(x, panels, layer.q4, n, bias), want)
         assert torch.equal(layer.forward(x), kernel.bf16_linear(x, panels, n, layer.bias))
+        assert_reads_blocks_up_to_its_rows(kernel, kernel.bf16_q4_linear, x, panels, layer.q4, n)
 
 
-# One AMX row tile, two, and past them (the panels).
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 70])
+# vdpbf16ps: one tile of x (12 rows) and past it; AMX: one row tile, two, and past them (the panels).
+@pytest.mark.parametrize("m", [1, 3, 12, 13, 16, 17, 32, 33, 70])
 def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) -> None:  # type: ignore[no-untyped-def]
     """decode_dtype=bfloat16-weights, an 8-bit layer (the head): bf16_q8_linear
-    makes each AMX tile from the blocks the panels were rounded from (few
-    rows), or runs the panels: bf16_linear's bits either way, through the
+    makes each AMX tile (or vdpbf16ps's pairs) from the blocks the panels
+    were rounded from (few rows), or runs the panels: bf16_linear's bits either way, through the
     layer's forward and its normed forward too, and with the norm and the
     SiLU of a Q8_0 model's projections."""
     gen = torch.Generator().manual_seed(m + 100)
@@ -224,6 +226,7 @@ def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) ->
         assert torch.equal(layer.bf16, panels)
         want = kernel.bf16_linear(x, panels, n)
         assert torch.equal(kernel.bf16_q8_linear(x, panels, layer.q8, n), want)
+        assert_reads_blocks_up_to_its_rows(kernel, kernel.bf16_q8_linear, x, panels, layer.q8, n)
         assert torch.equal(layer.forward(x), want)
         normed = kernel.bf16_linear(kernel.rms_norm(x, norm_w, 1e-5, None), panels, n)
         assert torch.equal(layer.forward_normed(x, norm_w, 1e-5), normed)
@@ -243,6 +246,22 @@ def test_tiles_made_from_the_8bit_blocks_give_the_panels_bits(kernel, m: int) ->
     q4 = PackedLinear(nn.Linear(64, 16, bias=False), kernel)
     with pytest.raises(RuntimeError, match="4-bit"):
         kernel.bf16_q4_linear(x[:, :64], kernel.pack_bf16(q4.weight()), layer.q8, 16)
+
+
+def assert_reads_blocks_up_to_its_rows(kernel, fn, x: torch.Tensor, panels: torch.Tensor,  # type: ignore[no-untyped-def]
+                                       blocks: torch.Tensor, n: int) -> None:
+    """fn (bf16_q4_linear or bf16_q8_linear) reads the blocks, not the panels,
+    for x's rows up to kernel.blocks_max_rows() (AMX tiles, or vdpbf16ps pairs
+    made from them with AVX512-VBMI), and the panels past them: a changed
+    block moves the result only there."""
+    limit = kernel.blocks_max_rows()
+    if kernel.amx_supported() or kernel.q4bf16_supported():  # a path the CPU's flags allow must run
+        assert limit > 0
+    changed = blocks.clone()
+    first_q = 2 * 16 * 4 if blocks.shape[-1] == 384 else 16 * 4  # after d and m (4-bit) or d (8-bit)
+    changed[..., first_q] ^= 0x11  # column 0's q values of the block's first inputs
+    moved = not torch.equal(fn(x, panels, changed, n), fn(x, panels, blocks, n))
+    assert moved == (x.shape[0] <= limit), (x.shape[0], limit)
 
 
 def q8_layer(kernel, k_in: int, n: int, gen: torch.Generator) -> PackedLinear:  # type: ignore[no-untyped-def]

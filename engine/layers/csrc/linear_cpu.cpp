@@ -569,6 +569,17 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 // give the same bits.
 constexpr int64_t AMX_Q4_MAX_ROWS = 2 * AMX_ROWS;
 
+// Without AMX (vdpbf16ps with AVX512-VBMI: q4bf16_supported), up to this
+// many rows (one tile of x) the panels' pairs are made from the blocks
+// (kBf16Q4Rows, kBf16Q8Rows): the same bits.  Zen 4 (family 25 model 17, 2
+// cores), the default model's 120 projections from memory, panels against
+// blocks: 9.5 against 7.8 ms at one row, 10.3 against 8.5 at 4, 13.4
+// against 13.1 at 12; past a tile the pairs would be made again for each
+// (16 rows: 16.0 against 18.1).
+constexpr int64_t BF16_BLOCKS_MAX_ROWS = BF_TILE_ROWS;
+
+bool q4bf16_supported();
+
 bool amx_q4_cpu() {
 #if defined(__x86_64__)
   static const bool ok = amx_cpu() && __builtin_cpu_supports("avx512vbmi");
@@ -619,7 +630,8 @@ bool check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, 
 // vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
 // the 4- or 8-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
 // not turned off by set_amx) and x has up to AMX_Q4_MAX_ROWS rows, each tile
-// is made from the blocks instead.  The same bits every way.  gate: the
+// is made from the blocks instead; without AMX, on vdpbf16ps with AVX512-VBMI
+// and up to BF16_BLOCKS_MAX_ROWS rows, each block's pairs.  The same bits every way.  gate: the
 // panels are a gate's then an up's, and the result silu(gate) * up through
 // the chosen kernel's SiluPanelRows (bf16_norm_silu_linear).
 at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
@@ -635,10 +647,16 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
   if (blocks != nullptr) {
     const bool q8 = check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-    if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {
+    if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {  // (blocks_max_rows: these two conditions)
       Panels w{q8 ? kAmxQ8Rows : kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * blocks->size(2), false, false,
                true};
       if (gate) w.silu = q8 ? kAmxQ8SiluRows : kAmxQ4SiluRows;
+      return run_linear(name, x, w, P, K, N, bias, out, pro);
+    }
+    if (!amx && q4bf16_supported() && rows <= BF16_BLOCKS_MAX_ROWS) {
+      Panels w{q8 ? kBf16Q8Rows : kBf16Q4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * blocks->size(2), false, true,
+               false};
+      if (gate) w.silu = q8 ? kBf16Q8SiluRows : kBf16Q4SiluRows;
       return run_linear(name, x, w, P, K, N, bias, out, pro);
     }
   }
@@ -646,6 +664,13 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
            false, !amx, amx};
   if (gate) w.silu = amx ? kAmxBf16SiluRows : kBf16SiluRows;
   return run_linear(name, x, w, P, K, N, bias, out, pro);
+}
+
+// Up to how many rows bf16_q4_linear and bf16_q8_linear read the blocks
+// here and now (AMX as set_amx leaves it, or vdpbf16ps), 0 where they never do.
+int64_t blocks_max_rows() {
+  if (use_amx()) return amx_q4_cpu() ? AMX_Q4_MAX_ROWS : 0;
+  return q4bf16_supported() ? BF16_BLOCKS_MAX_ROWS : 0;
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -1080,6 +1105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("panels"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("amx_q4_supported", &amx_q4_cpu,
         "whether bf16_q4_linear and bf16_q8_linear make their tiles from the blocks here");
+  m.def("blocks_max_rows", &blocks_max_rows,
+        "up to how many rows bf16_q4_linear and bf16_q8_linear read the blocks (AMX tiles or vdpbf16ps pairs "
+        "made from them) here and now; 0: never");
   m.def("amx_supported", &amx_cpu,
         "whether bf16_linear runs on AMX tiles here (K a multiple of 32)");
   m.def("set_amx", &set_amx,

@@ -429,6 +429,14 @@ struct BF16 {
 };
 #endif
 
+// Whether a format reads x as BF16's tiles of bfloat16 pairs (rows_times_panels runs it as BF16).
+template <typename Format>
+constexpr bool kReadsPairs = false;
+#if defined(SPLITSERVE_ISA_BF16)
+template <>
+constexpr bool kReadsPairs<BF16> = true;
+#endif
+
 template <typename Format, int R, int NP>
 inline void run_rows(const uint8_t* panel, int64_t pbytes, int64_t K, const float* x, int64_t ldx, const float* xs,
                      int64_t ldxs, int64_t rows, float* tile, const uint8_t* ahead = nullptr) {
@@ -460,7 +468,7 @@ inline void store_tile(const float* t, int64_t r, const float* bias, int64_t col
   }
 }
 
-#if defined(SPLITSERVE_ISA_AMX)
+#if defined(SPLITSERVE_ISA_AMX) || defined(SPLITSERVE_ISA_BF16Q4)
 // A 4-bit block (q4's layout: d[16] and m[16] float32, then 4 chunks of 64
 // bytes, chunk c's byte 4j + i holding q(8c + i, j) low and q(8c + 4 + i, j)
 // high) as the B tile its bfloat16 panels hold: row r the pairs (2r, 2r + 1)
@@ -575,6 +583,51 @@ inline void make_tile(const uint8_t* blk, uint8_t* out) {
   if constexpr (B == BTiles::kQ4) q4_bf16_tile(blk, out);
   else q8_bf16_tile(blk, out);
 }
+#endif
+
+#if defined(SPLITSERVE_ISA_BF16Q4)
+// decode_dtype=bfloat16-weights without AMX, few rows: BF16's panels made a
+// block at a time from the 4- or 8-bit blocks they were rounded from
+// (make_tile writes the panels' bytes: an AMX B tile is a panel's 16 pairs
+// of a block) into L1, then read as BF16 reads them: the same pairs, in the
+// same order, into the same sums, so kBf16Rows's bits.  A step of few rows
+// is bound by reading its weights, and a block is 4.5 or 9 bits a weight
+// against the panels' 16.  p: NP panels of blocks, pbytes apart.
+template <BTiles B>
+struct BF16Blocks {
+  static constexpr int NP_MAX = NP_BF;
+  template <int R, int NP>
+  static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t, const float*, int64_t,
+                  float* tile, const uint8_t*) {
+    constexpr int64_t bytes = block_bytes<B>();
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+    alignas(64) uint8_t pairs[NP][QB / 2 * BF_PAIR_BYTES];
+    __m512 a[NP][R];
+    for (int n = 0; n < NP; ++n)
+      for (int r = 0; r < R; ++r) a[n][r] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < K / QB; ++kb) {
+      for (int n = 0; n < NP; ++n) {
+        const uint8_t* blk = p + n * pbytes + kb * bytes;
+        prefetch_block(blk + Q4_AHEAD * bytes, bytes);
+        make_tile<B>(blk, pairs[n]);
+      }
+      for (int kp = 0; kp < QB / 2; ++kp) {
+        __m512i w[NP];
+        for (int n = 0; n < NP; ++n) w[n] = _mm512_load_si512(pairs[n] + kp * BF_PAIR_BYTES);
+        const uint32_t* xk = xp + (kb * (QB / 2) + kp) * BF_TILE_ROWS;
+        for (int r = 0; r < R; ++r)
+          for (int n = 0; n < NP; ++n) a[n][r] = dot_pair(a[n][r], w[n], xk + r);
+      }
+    }
+    for (int n = 0; n < NP; ++n)
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, a[n][r]);
+  }
+};
+template <BTiles B>
+constexpr bool kReadsPairs<BF16Blocks<B>> = true;
+#endif
+
+#if defined(SPLITSERVE_ISA_AMX)
 
 // The same bfloat16 panels on AMX tiles (Sapphire Rapids and later), for
 // prompts' rows under prefill_dtype=bfloat16 where K is a multiple of 32: a
@@ -730,15 +783,15 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   // A row's sums never depend on the tile it is in.
   const int64_t tiles = (rows + MR - 1) / MR;
 #if defined(SPLITSERVE_ISA_BF16)
-  if constexpr (std::is_same_v<Format, BF16>) {  // 2 panels at a time; x's tiles of MR rows, ldx pairs a row
+  if constexpr (kReadsPairs<Format>) {  // 2 panels at a time; x's tiles of MR rows, ldx pairs a row
     for (; n < np; n += NP_BF) {
       const int64_t pn = min64(NP_BF, np - n);
       for (int64_t m = 0; m < rows; m += MR) {
         const int64_t r = min64(MR, rows - m);
         if (pn == NP_BF)
-          run_rows<BF16, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+          run_rows<Format, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
         else
-          run_rows<BF16, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+          run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
         for (int64_t j = 0; j < pn; ++j)
           store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy,
                      ldy);
@@ -1568,7 +1621,9 @@ SILU_MATH inline void silu_mul_panel(const float* g, const float* u, float* act)
 #if defined(SPLITSERVE_ISA_BF16) && !defined(SPLITSERVE_ISA_AMX)
 // linear_isa_api.h's SiluPanelRows on vdpbf16ps (x as rows_times_panels<BF16>
 // takes it): panel n's gate and up as the micro-kernel's two panels, up_bytes
-// apart, MR rows at a time, then silu(gate) * up row by row into y.
+// apart, MR rows at a time, then silu(gate) * up row by row into y.  Format:
+// BF16 (the panels), or BF16Blocks (the blocks they were rounded from).
+template <typename Format>
 void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_t np, int64_t K, const float* x,
                     int64_t ldx, int64_t rows, int64_t col0, int64_t cols, void* out, int64_t ldy) {
   const uint8_t* p = static_cast<const uint8_t*>(panels);
@@ -1579,7 +1634,7 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
     const int64_t width = min64(NR, cols - n * NR);
     for (int64_t m = 0; m < rows; m += MR) {
       const int64_t r = min64(MR, rows - m);
-      run_rows<BF16, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+      run_rows<Format, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
       for (int64_t i = 0; i < r; ++i) {
         silu_mul_panel(tile + i * NR, tile + (r + i) * NR, act);
         std::memcpy(y + (m + i) * ldy + col0 + n * NR, act, width * sizeof(float));
@@ -1643,9 +1698,13 @@ extern const PlainRows kAmxPlainRows = amx_plain_rows;
 #elif defined(SPLITSERVE_ISA_BF16Q4)
 extern const Q4Bf16Rows kQ4Bf16 = q4bf16_rows;
 extern const Q4Bf16Rows kQ8Bf16 = q8bf16_rows;
+extern const RowsTimesPanels kBf16Q4Rows = rows_times_panels<BF16Blocks<BTiles::kQ4>>;
+extern const RowsTimesPanels kBf16Q8Rows = rows_times_panels<BF16Blocks<BTiles::kQ8>>;
+extern const SiluPanelRows kBf16Q4SiluRows = bf16_silu_rows<BF16Blocks<BTiles::kQ4>>;
+extern const SiluPanelRows kBf16Q8SiluRows = bf16_silu_rows<BF16Blocks<BTiles::kQ8>>;
 #elif defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
-extern const SiluPanelRows kBf16SiluRows = bf16_silu_rows;
+extern const SiluPanelRows kBf16SiluRows = bf16_silu_rows<BF16>;
 #elif defined(SPLITSERVE_ISA_VNNI)
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
 extern const Q8I8Rows kQ8I8Vnni = q8i8_rows_vnni;

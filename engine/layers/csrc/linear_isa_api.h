@@ -130,6 +130,14 @@ extern const SiluPanelRows kAmxQ8SiluRows;
 // The same on kBf16Rows's panels and x (vdpbf16ps), y float32 (not rounded):
 // kBf16Rows then silu_mul's bits.
 extern const SiluPanelRows kBf16SiluRows;
+// kBf16Rows's bits (kBf16SiluRows's) from the 4- or 8-bit blocks (q4's or
+// q8's layout, pbytes a panel) the panels were rounded from, each block's
+// pairs made as they are needed: AVX512-BF16 with AVX512-VBMI
+// (q4bf16_supported()), for few rows where AMX does not run.
+extern const RowsTimesPanels kBf16Q4Rows;
+extern const RowsTimesPanels kBf16Q8Rows;
+extern const SiluPanelRows kBf16Q4SiluRows;
+extern const SiluPanelRows kBf16Q8SiluRows;
 // The int8 kernel with AVX512-VNNI dot products and AVX512-VBMI nibble
 // shuffles (Ice Lake, Sapphire Rapids, Zen 4/5), the same bits as q4i8.
 // decode_dtype=bfloat16: 4-bit blocks (as q4) times rows of x rounded to
