@@ -626,14 +626,22 @@ bool check_panels_blocks(const char* name, const at::Tensor& blocks, int64_t P, 
   return blocks.size(2) == Q8_BLOCK_BYTES;
 }
 
+// Up to how many rows bf16_q4_linear and bf16_q8_linear read the blocks
+// here and now (AMX as set_amx leaves it, or vdpbf16ps), 0 where they never do.
+int64_t blocks_max_rows() {
+  if (use_amx()) return amx_q4_cpu() ? AMX_Q4_MAX_ROWS : 0;
+  return q4bf16_supported() ? BF16_BLOCKS_MAX_ROWS : 0;
+}
+
 // x (after the prologue, if any) times bfloat16 panels [P, K/2, 16, 2]:
 // vdpbf16ps, or AMX tiles where they run and K is a multiple of 32.  Given
 // the 4- or 8-bit blocks the panels were rounded from, where AMX runs (amx_q4_cpu,
 // not turned off by set_amx) and x has up to AMX_Q4_MAX_ROWS rows, each tile
-// is made from the blocks instead; without AMX, on vdpbf16ps with AVX512-VBMI
-// and up to BF16_BLOCKS_MAX_ROWS rows, each block's pairs.  The same bits every way.  gate: the
-// panels are a gate's then an up's, and the result silu(gate) * up through
-// the chosen kernel's SiluPanelRows (bf16_norm_silu_linear).
+// is made from the blocks instead; without AMX, on vdpbf16ps with
+// AVX512-VBMI and up to BF16_BLOCKS_MAX_ROWS rows, each block's pairs
+// (blocks_max_rows).  The same bits every way.  gate: the panels are a
+// gate's then an up's, and the result silu(gate) * up through the chosen
+// kernel's SiluPanelRows (bf16_norm_silu_linear).
 at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor* blocks, int64_t N, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& out, const RowPrologue& pro = {},
@@ -647,16 +655,13 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
   if (blocks != nullptr) {
     const bool q8 = check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-    if (amx && amx_q4_cpu() && rows <= AMX_Q4_MAX_ROWS) {  // (blocks_max_rows: these two conditions)
-      Panels w{q8 ? kAmxQ8Rows : kAmxQ4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * blocks->size(2), false, false,
-               true};
-      if (gate) w.silu = q8 ? kAmxQ8SiluRows : kAmxQ4SiluRows;
-      return run_linear(name, x, w, P, K, N, bias, out, pro);
-    }
-    if (!amx && q4bf16_supported() && rows <= BF16_BLOCKS_MAX_ROWS) {
-      Panels w{q8 ? kBf16Q8Rows : kBf16Q4Rows, blocks->data_ptr<uint8_t>(), (K / QB) * blocks->size(2), false, true,
-               false};
-      if (gate) w.silu = q8 ? kBf16Q8SiluRows : kBf16Q4SiluRows;
+    const int64_t limit = blocks_max_rows();  // K is a multiple of 32 here: amx is use_amx()
+    if (limit > 0 && rows <= limit) {
+      const uint8_t* bp = blocks->data_ptr<uint8_t>();
+      const int64_t pbytes = (K / QB) * blocks->size(2);
+      Panels w = amx ? Panels{q8 ? kAmxQ8Rows : kAmxQ4Rows, bp, pbytes, false, false, true}
+                     : Panels{q8 ? kBf16Q8Rows : kBf16Q4Rows, bp, pbytes, false, true, false};
+      if (gate) w.silu = amx ? (q8 ? kAmxQ8SiluRows : kAmxQ4SiluRows) : (q8 ? kBf16Q8SiluRows : kBf16Q4SiluRows);
       return run_linear(name, x, w, P, K, N, bias, out, pro);
     }
   }
@@ -664,13 +669,6 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
            false, !amx, amx};
   if (gate) w.silu = amx ? kAmxBf16SiluRows : kBf16SiluRows;
   return run_linear(name, x, w, P, K, N, bias, out, pro);
-}
-
-// Up to how many rows bf16_q4_linear and bf16_q8_linear read the blocks
-// here and now (AMX as set_amx leaves it, or vdpbf16ps), 0 where they never do.
-int64_t blocks_max_rows() {
-  if (use_amx()) return amx_q4_cpu() ? AMX_Q4_MAX_ROWS : 0;
-  return q4bf16_supported() ? BF16_BLOCKS_MAX_ROWS : 0;
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

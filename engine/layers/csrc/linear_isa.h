@@ -591,7 +591,7 @@ inline void make_tile(const uint8_t* blk, uint8_t* out) {
 // (make_tile writes the panels' bytes: an AMX B tile is a panel's 16 pairs
 // of a block) into L1, then read as BF16 reads them: the same pairs, in the
 // same order, into the same sums, so kBf16Rows's bits.  A step of few rows
-// is bound by reading its weights, and a block is 4.5 or 9 bits a weight
+// is bound by reading its weights, and a block is 6 or 9 bits a weight
 // against the panels' 16.  p: NP panels of blocks, pbytes apart.
 template <BTiles B>
 struct BF16Blocks {
