@@ -407,22 +407,29 @@ inline __m512 dot_pair(__m512 acc, __m512i w, const uint32_t* x) {
   return acc;
 }
 
+// Adds kps pairs of NP panels (panel n's first at w + n * wbytes) times x's
+// pairs from xk (a tile's, as above) to R rows' sums, pairs in k order: the
+// one loop of BF16 and BF16Blocks, so both give the same bits.
+template <int R, int NP>
+inline void dot_pairs(__m512 (&a)[NP][R], const uint8_t* w, int64_t wbytes, const uint32_t* xk, int64_t kps) {
+  for (int64_t kp = 0; kp < kps; ++kp) {
+    __m512i wk[NP];
+    for (int n = 0; n < NP; ++n) wk[n] = _mm512_loadu_si512(w + n * wbytes + kp * BF_PAIR_BYTES);
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NP; ++n) a[n][r] = dot_pair(a[n][r], wk[n], xk + kp * BF_TILE_ROWS + r);
+  }
+}
+
 struct BF16 {
   static constexpr int NP_MAX = NP_BF;
   // x: a tile of pairs as above, R <= BF_TILE_ROWS of its rows used.
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t, const float*, int64_t,
                   float* tile, const uint8_t*) {
-    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
     __m512 a[NP][R];
     for (int n = 0; n < NP; ++n)
       for (int r = 0; r < R; ++r) a[n][r] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < K / 2; ++kp) {
-      __m512i w[NP];
-      for (int n = 0; n < NP; ++n) w[n] = _mm512_loadu_si512(p + n * pbytes + kp * BF_PAIR_BYTES);
-      for (int r = 0; r < R; ++r)
-        for (int n = 0; n < NP; ++n) a[n][r] = dot_pair(a[n][r], w[n], xp + kp * BF_TILE_ROWS + r);
-    }
+    dot_pairs(a, p, pbytes, reinterpret_cast<const uint32_t*>(x), K / 2);
     for (int n = 0; n < NP; ++n)
       for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, a[n][r]);
   }
@@ -589,8 +596,8 @@ inline void make_tile(const uint8_t* blk, uint8_t* out) {
 // decode_dtype=bfloat16-weights without AMX, few rows: BF16's panels made a
 // block at a time from the 4- or 8-bit blocks they were rounded from
 // (make_tile writes the panels' bytes: an AMX B tile is a panel's 16 pairs
-// of a block) into L1, then read as BF16 reads them: the same pairs, in the
-// same order, into the same sums, so kBf16Rows's bits.  A step of few rows
+// of a block) into L1, then read as BF16 reads them (dot_pairs): the same
+// pairs, in the same order, into the same sums, so kBf16Rows's bits.  A step of few rows
 // is bound by reading its weights, and a block is 6 or 9 bits a weight
 // against the panels' 16.  p: NP panels of blocks, pbytes apart.
 template <BTiles B>
@@ -611,13 +618,7 @@ struct BF16Blocks {
         prefetch_block(blk + Q4_AHEAD * bytes, bytes);
         make_tile<B>(blk, pairs[n]);
       }
-      for (int kp = 0; kp < QB / 2; ++kp) {
-        __m512i w[NP];
-        for (int n = 0; n < NP; ++n) w[n] = _mm512_load_si512(pairs[n] + kp * BF_PAIR_BYTES);
-        const uint32_t* xk = xp + (kb * (QB / 2) + kp) * BF_TILE_ROWS;
-        for (int r = 0; r < R; ++r)
-          for (int n = 0; n < NP; ++n) a[n][r] = dot_pair(a[n][r], w[n], xk + r);
-      }
+      dot_pairs(a, pairs[0], sizeof(pairs[0]), xp + kb * (QB / 2) * BF_TILE_ROWS, QB / 2);
     }
     for (int n = 0; n < NP; ++n)
       for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, a[n][r]);
