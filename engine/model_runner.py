@@ -58,7 +58,9 @@ def resolve_device(name: str) -> torch.device:
 # faster in bf16 (2,000 tokens in 3.1 s against 3.9 on the Zen 4; offline
 # batches of 64 prompts 203 tok/s against 126), so users of big offline
 # batches pass bfloat16, or prefill_dtype=bfloat16 (prompts on bf16 panels,
-# AMX tiles where present: 1.5 s for 2,000 tokens on the Xeon).
+# AMX tiles where present: 1.5 s for 2,000 tokens on the Xeon).  Those
+# figures are of torch's bf16 ops; since session 48 a bfloat16 model on such
+# CPUs runs on the packed kernels (packed_bf16).
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,6 +74,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if fast_bf16() and load_linear_kernel() is None:
         return torch.bfloat16  # float32 would be torch's BLAS path
     return torch.float32
+
+
+def packed_bf16(device: torch.device) -> bool:
+    """Whether a bfloat16 model runs on the packed kernels here (a CPU whose
+    linear kernel runs bfloat16 panels: AVX512-BF16 or AMX) rather than on
+    torch's bfloat16 ops.  The weights are then bfloat16 panels (or a 4-bit
+    layer's blocks for few rows, the same bits) and the activations, norms,
+    residual and sums float32: each token is computed exactly as a float32
+    model computes it under --prefill-dtype bfloat16 --decode-dtype
+    bfloat16-weights with a bfloat16 KV cache, but for the head's logits of
+    a prompt's last token (bfloat16 panels here, float32 there).  On the
+    Zen 4 (family 25 model 17, avx512_bf16), a decode step of 32 sequences
+    took 33.7 ms against torch's bfloat16 ops' 70.9."""
+    if device.type != "cpu" or not fast_bf16():
+        return False
+    kernel = load_linear_kernel()
+    return kernel is not None and bool(kernel.bf16_supported())
 
 
 def available_memory(device: torch.device) -> int:
@@ -197,10 +216,19 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's big tensors reuse the last step's pages
         self.dtype = resolve_dtype(model_config.dtype, self.device)
+        # dtype=bfloat16 on a CPU whose packed kernels run bfloat16: the weights
+        # as bfloat16 panels, every token through them (packed_bf16_model).
+        self.bf16_weights_model = self.dtype == torch.bfloat16 and packed_bf16(self.device)
+        decodes, prefill = model_config.decode_dtype, model_config.prefill_dtype
+        if self.bf16_weights_model:
+            if decodes not in ("auto", "bfloat16-weights"):  # refused: a float32 model's option
+                self._check_quantized_decodes(decodes, load_linear_kernel())
+            self.dtype, decodes, prefill = torch.float32, "bfloat16-weights", "bfloat16"
         self.model = load_model(model_dir, self.dtype, self.device)
         self.spec = self.model.spec
         self.block_size = cache_config.block_size
-        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype,
+                                         torch.bfloat16 if self.bf16_weights_model else self.dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
         s = self.spec
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block is contiguous.
@@ -212,11 +240,11 @@ class ModelRunner:
         self.prompt_rows: PromptRows | None = None
         # ... and their attention (the CPU kernel's, where it was built with AVX512-BF16).
         self.bf16_attention = False
-        self.bf16_prompts = model_config.prefill_dtype == "bfloat16" and self.dtype != torch.bfloat16
+        self.bf16_prompts = prefill == "bfloat16" and self.dtype != torch.bfloat16
         self.head_rows: PromptRows | None = None  # decode_dtype not auto: the head's rows by path
         self.decodes = ""
-        if model_config.decode_dtype != "auto":
-            self.prompt_rows = self._decodes(model_config.decode_dtype)
+        if decodes != "auto":
+            self.prompt_rows = self._decodes(decodes)
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
@@ -226,6 +254,12 @@ class ModelRunner:
                             "prompt tokens attend in float32")
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         self.lora: LoRAManager | None = None  # set by enable_lora
+        if self.bf16_weights_model:
+            self.model.bf16_head_prompts(self.head_rows)
+            log.info("dtype bfloat16 on the packed kernels: bfloat16 weights, float32 activations and sums; "
+                     "each token computed as under --dtype float32 --prefill-dtype bfloat16 --decode-dtype "
+                     "bfloat16-weights, the float32 weights not held")
+        self.model.drop_float32_panels()
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB, %s)", model_dir.name, self.num_blocks,

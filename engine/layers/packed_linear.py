@@ -65,6 +65,12 @@ rows 1.1x, with the kernels alone.  Any float32 model, 4-bit weights or
 not.  On the Intel Xeon with AMX (family 6 model 207) a decode step of 16 sequences took 31.9
 against int8's 47.4 ms, of 32 40.2 against 49.2, of one 18.0 against 14.4
 (2 bytes a weight against a 4-bit block's 0.75).
+
+A bfloat16 model on a CPU with AVX512-BF16 or AMX (model_runner.packed_bf16)
+is a float32 model under prefill_dtype=bfloat16 and bfloat16-weights whose
+head runs a prompt's last token on its bfloat16 panels too.  A layer whose
+every row runs on the bfloat16 panels frees its float32 ones (drop_float32):
+under both options, every projection; in such a model, the head as well.
 """
 
 from __future__ import annotations
@@ -264,12 +270,23 @@ class PackedLinear(nn.Module):
         self._fused_inputs = self._bind_fused_inputs()
 
     def weight(self) -> torch.Tensor:
-        """The float32 weight [N, K] the packed copies stand for."""
+        """The float32 weight [N, K] the packed copies stand for (the bfloat16
+        one where drop_float32 left only the bfloat16 panels)."""
         if self.panels is not None:
             p, k, _ = self.panels.shape
             return self.panels.permute(0, 2, 1).reshape(p * 16, k)[:self.out_features]
-        assert self.q4 is not None  # a layer without panels has its 4-bit blocks
-        return self.kernel.q4_unpack(self.q4, self.out_features)
+        if self.q4 is not None:
+            return self.kernel.q4_unpack(self.q4, self.out_features)
+        assert self.bf16 is not None  # a layer without panels or 4-bit blocks ran drop_float32
+        p, k2, _, _ = self.bf16.shape  # [N/16, K/2, 16, 2]
+        return self.bf16.permute(0, 2, 1, 3).reshape(p * 16, k2 * 2)[:self.out_features].float()
+
+    def drop_float32(self) -> None:
+        """Free the float32 panels where every row runs on the bfloat16 ones
+        (enable_bf16 and enable_bf16_weights): nothing reads them then.  Half
+        the memory a float32 layer holds (2 bytes a weight, not 6)."""
+        if self._one_path:
+            self.register_buffer("panels", None, persistent=False)
 
     def enable_bf16(self, rows: PromptRows) -> None:
         """Hold bfloat16 panels too (the weight rounded to nearest even) and run

@@ -293,6 +293,21 @@ class LlamaForCausalLM(nn.Module):
                 layer.enable_bf16(rows)
         return rows
 
+    def bf16_head_prompts(self, rows: PromptRows | None) -> None:
+        """A bfloat16 model on the packed kernels: the head's prompt rows (a
+        prompt's last token) on its bfloat16 panels too, as every other row
+        under bfloat16-weights: the head then has one path."""
+        if isinstance(self.lm_head, PackedLinear) and rows is not None:
+            self.lm_head.enable_bf16(rows)
+
+    def drop_float32_panels(self) -> None:
+        """Free each packed layer's float32 panels where no row reads them
+        (PackedLinear.drop_float32)."""
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if isinstance(layer, PackedLinear):
+                layer.drop_float32()
+
     def enable_decodes(self, decode_dtype: str, rows: PromptRows, head_rows: PromptRows) -> None:
         """decode_dtype int8 or bfloat16: every layer's 4-bit projections run the
         rows `rows` does not mark as prompt tokens on int8 (or bfloat16) inputs,

@@ -37,9 +37,10 @@ def test_refused_where_it_cannot_run() -> None:
     if not BF16_CPU:
         with pytest.raises(ValueError, match="prefill_dtype"):
             LLM(dtype="float32", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
-    # a bfloat16 model's prompts already are: taken as it is
-    assert LLM(dtype="bfloat16", num_blocks=16, num_threads=1,
-               prefill_dtype="bfloat16").engine.kv_layout.prefill_dtype == ""
+    # a bfloat16 model's prompts already are: taken as it is (on the packed
+    # kernels where the CPU runs them: its prompts through the bfloat16 panels)
+    layout = LLM(dtype="bfloat16", num_blocks=16, num_threads=1, prefill_dtype="bfloat16").engine.kv_layout
+    assert (layout.dtype, layout.prefill_dtype) == (("float32", "bfloat16") if BF16_CPU else ("bfloat16", ""))
 
 
 def _tokens_and_logprobs(out) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
