@@ -47,8 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPES,
-                   help="auto: bfloat16 on GPUs and CPUs with native bf16 (float32 there too when "
-                        "--max-num-seqs <= 4: faster for few streams), else float32")
+                   help="auto: bfloat16 on GPUs, float32 on CPUs (the packed kernels; bfloat16 where "
+                        "they are missing and the CPU has native bf16); bfloat16 on a CPU with "
+                        "AVX512-BF16 or AMX: the weights as bfloat16 panels on the packed kernels, "
+                        "activations float32")
     g.add_argument("--device", default=ModelConfig.device,
                    help="cpu, cuda, cuda:N, or auto (cuda when there is a GPU)")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV cache block")
