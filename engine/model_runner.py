@@ -220,6 +220,11 @@ class ModelRunner:
         # as bfloat16 panels, every token through them (packed_bf16_model).
         self.bf16_weights_model = self.dtype == torch.bfloat16 and packed_bf16(self.device)
         decodes, prefill = model_config.decode_dtype, model_config.prefill_dtype
+        if (self.device.type == "cpu" and self.dtype != torch.float32 and not self.bf16_weights_model
+                and load_linear_kernel() is not None):  # auto would pick float32 on the packed kernels
+            log.warning("dtype %s on this CPU runs torch's ops, not the packed kernels (%s): several times "
+                        "slower than --dtype auto", str(self.dtype).removeprefix("torch."),
+                        "float16 has none" if self.dtype == torch.float16 else "no AVX512-BF16 or AMX here")
         if self.bf16_weights_model:
             if decodes not in ("auto", "bfloat16-weights"):  # refused: a float32 model's option
                 self._check_quantized_decodes(decodes, load_linear_kernel())
