@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = (result[name] for name in configs)
     result["p50_ratio"] = b["itl_p50_ms"] / a["itl_p50_ms"]
     result["p99_ratio"] = b["itl_p99_ms"] / a["itl_p99_ms"]
-    result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
+    result["dtype"] = str(engine.runner.model_dtype).removeprefix("torch.")
     if args.json:
         print(json.dumps(result))
         return 0

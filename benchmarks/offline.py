@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(**kw)
     prompts = partial(make_prompts, args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                       llm.engine.vocab_size)
-    dtype = llm.engine.runner.dtype
+    dtype = llm.engine.runner.model_dtype  # Hugging Face's default dtype too
+    packed = " on the packed kernels (float32 activations)" if llm.engine.runner.bf16_weights_model else ""
     systems: dict[str, Callable[[list[list[int]]], dict[str, float]]] = {
         "splitserve": lambda batch: bench_splitserve(llm, batch, args.output_len)}
     if not args.skip_hf:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = [r["output_tok_s"] for name, r in rows.items() if name != "splitserve"]
     base = max(hf) if hf else rows["splitserve"]["output_tok_s"]  # Hugging Face at its fastest
     print(f"{args.num_prompts} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens x "
-          f"{args.output_len} new tokens, {str(dtype).removeprefix('torch.')}, "
+          f"{args.output_len} new tokens, {str(dtype).removeprefix('torch.')}{packed}, "
           f"{kw['num_threads']} threads")
     print(f"{'system':<44} {'seconds':>9} {'out tok/s':>10} {'vs HF':>7}")
     for name, r in rows.items():

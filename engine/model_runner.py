@@ -277,6 +277,13 @@ class ModelRunner:
         return "bfloat16" if self.bf16_prompts else ""
 
     @property
+    def model_dtype(self) -> torch.dtype:
+        """The model's dtype as asked: bfloat16 for a bfloat16 model on the
+        packed kernels (its weights' rounding), whose activations, and so
+        self.dtype and the layout's compute dtype, are float32."""
+        return torch.bfloat16 if self.bf16_weights_model else self.dtype
+
+    @property
     def decode_dtype(self) -> str:
         """What generated tokens compute in, if not the model's dtype: "int8", "bfloat16",
         "bfloat16-weights" or ""."""

@@ -36,6 +36,7 @@ def test_bf16_model_holds_bf16_panels_only_and_computes_as_float32_with_bf16_opt
     bf = LLM(dtype="bfloat16", num_blocks=96, num_threads=1)
     runner = bf.engine.runner
     assert runner.bf16_weights_model
+    assert (runner.model_dtype, runner.dtype) == (torch.bfloat16, torch.float32)  # weights, activations
     assert (runner.prefill_dtype, runner.decode_dtype, runner.kv_cache.dtype) == (
         "bfloat16", "bfloat16-weights", torch.bfloat16)
     for path in runner.model.linear_names():
