@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.layers.packed_linear import PackedLinear
 
 from .procs import start_pair, stop_all
-from .test_prefill_bf16 import BF16_CPU
+from .test_prefill_bf16 import BF16_CPU, _tokens_and_logprobs
 from .test_workers import generate
 
 needs_bf16 = pytest.mark.skipif(not BF16_CPU, reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), "
@@ -26,9 +26,7 @@ PROMPTS = ["The capital of France is", "def fib(n):\n    ", "Once upon a time, i
 
 def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=1))
-    return [(o.outputs[0].token_ids,
-             [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)])
-            for o in outs]
+    return [_tokens_and_logprobs(o) for o in outs]
 
 
 @needs_bf16
