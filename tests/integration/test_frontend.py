@@ -656,4 +656,9 @@ def test_requests_share_one_session_and_a_step_leaves_in_one_message(stack) -> N
     outputs = after["session_outputs"] - before["session_outputs"]
     messages = after["session_messages"] - before["session_messages"]
     assert 4 <= outputs <= 4 * 24, outputs  # an output a step a request (more tokens with speculation)
-    assert outputs / messages > 2, (outputs, messages)  # the four decode in the same steps: one message
+    # A step that advanced several of the four sent them in one message: fewer
+    # messages than outputs (one message an output if each went alone).  How
+    # many steps the four share depends on when each arrived: under load the
+    # frontend admitted them two by two (96 outputs in 48 messages), so no
+    # tighter bound holds every time.
+    assert messages < outputs, (outputs, messages)
