@@ -74,7 +74,8 @@ def instrument(llm: LLM, clock: Clock) -> None:
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             mod = getattr(layer, name)
-            for method in ("forward", "forward_normed", "forward_silu"):  # the last two: packed layers
+            # all but the first: packed layers
+            for method in ("forward", "forward_normed", "forward_normed_silu", "forward_silu"):
                 if hasattr(mod, method):
                     clock.wrap(mod, method, "projections")
 
