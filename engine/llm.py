@@ -53,7 +53,9 @@ class LLM:
             4-bit layers: generated tokens' inputs rounded to bfloat16, the weights exact; CPUs
             with AVX512-BF16 and VBMI) or bfloat16-weights (any float32 model: every projection
             and the head on bfloat16 panels, on AMX tiles where the CPU has them; CPUs with
-            AVX512-BF16); prompt tokens keep their path."""
+            AVX512-BF16); a bfloat16 model on the packed kernels: auto (bfloat16 where its
+            layers are 4-bit and the CPU has VBMI and no AMX, else bfloat16-weights), bfloat16 or
+            bfloat16-weights; prompt tokens keep their path."""
         config = engine_config(
             model=model, dtype=dtype, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -79,14 +79,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def packed_bf16(device: torch.device) -> bool:
     """Whether a bfloat16 model runs on the packed kernels here (a CPU whose
     linear kernel runs bfloat16 panels: AVX512-BF16 or AMX) rather than on
-    torch's bfloat16 ops.  The weights are then bfloat16 panels (or a 4-bit
-    layer's blocks for few rows, the same bits) and the activations, norms,
-    residual and sums float32: each token is computed exactly as a float32
-    model computes it under --prefill-dtype bfloat16 --decode-dtype
-    bfloat16-weights with a bfloat16 KV cache, but for the head's logits of
-    a prompt's last token (bfloat16 panels here, float32 there).  On the
-    Zen 4 (family 25 model 17, avx512_bf16), a decode step of 32 sequences
-    took 38.4 ms against torch's bfloat16 ops' 70.9, of one 9.3 against 34.7."""
+    torch's bfloat16 ops.  The weights are then bfloat16 panels (and a 4-bit
+    layer's blocks) and the activations, norms, residual and sums float32:
+    each token is computed exactly as a float32 model computes it under
+    --prefill-dtype bfloat16 --decode-dtype D (ModelRunner._bf16_model_decodes:
+    bfloat16 or bfloat16-weights) with a bfloat16 KV cache, but for the
+    head's logits of a prompt's last token (bfloat16 panels here, float32
+    there).  On the Zen 4 (family 25 model 17, avx512_bf16), a decode step
+    of 32 sequences took 38.4 ms against torch's bfloat16 ops' 70.9, of one
+    9.3 against 34.7 (bfloat16-weights)."""
     kernel = load_linear_kernel() if device.type == "cpu" else None
     return kernel is not None and bool(kernel.bf16_supported())  # the CPU's AVX512-BF16 (or AMX) too
 
@@ -224,10 +225,12 @@ class ModelRunner:
                         "slower than --dtype auto", str(self.dtype).removeprefix("torch."),
                         "float16 has none" if self.dtype == torch.float16 else "no AVX512-BF16 or AMX here")
         if self.bf16_weights_model:
-            if decodes not in ("auto", "bfloat16-weights"):  # refused: a float32 model's option
+            if decodes == "int8":  # refused: a float32 model's option
                 self._check_quantized_decodes(decodes, load_linear_kernel())
-            self.dtype, decodes, prefill = torch.float32, "bfloat16-weights", "bfloat16"
+            self.dtype, prefill = torch.float32, "bfloat16"
         self.model = load_model(model_dir, self.dtype, self.device)
+        if self.bf16_weights_model:
+            decodes = self._bf16_model_decodes(decodes)
         self.spec = self.model.spec
         self.block_size = cache_config.block_size
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype,
@@ -259,9 +262,11 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by enable_lora
         if self.bf16_weights_model:
             self.model.bf16_head_prompts(self.head_rows)
-            log.info("dtype bfloat16 on the packed kernels: bfloat16 weights, float32 activations and sums; "
-                     "each token computed as under --dtype float32 --prefill-dtype bfloat16 --decode-dtype "
-                     "bfloat16-weights, no float32 copy of the projections held")
+            log.info("dtype bfloat16 on the packed kernels: bfloat16 weights (generated tokens: %s), float32 "
+                     "activations and sums; each token computed as under --dtype float32 --prefill-dtype "
+                     "bfloat16 --decode-dtype %s, no float32 copy of the weights held",
+                     "bfloat16 inputs, the 4-bit blocks exact" if decodes == "bfloat16"
+                     else "the bfloat16 panels", decodes)
         self.model.drop_float32_panels()
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
@@ -300,6 +305,28 @@ class ModelRunner:
         self.model.enable_decodes(dtype, rows, self.head_rows)
         return rows
 
+    def _bf16_model_decodes(self, asked: str) -> str:
+        """What a bfloat16 model's generated tokens run on, as decode_dtype
+        names it (the layers' prompt rows are on their bfloat16 panels either
+        way).  auto: bfloat16 (q4bf16_linear: x rounded to bfloat16, the 4-bit
+        blocks exact) where the layers are 4-bit and the CPU has AVX512-VBMI
+        but no AMX, else bfloat16-weights (the bfloat16 panels; few rows' from
+        the blocks, the same bits).  Without AMX a step of few rows makes the
+        panels' pairs from each block before reading them, which bfloat16
+        decodes skip: Zen 4 (family 25 model 17), one sequence 10.1 against
+        11.3 ms a step, 8 sequences 18.2 against 20.7, 32 the same (39.7,
+        39.6; benchmarks.step_profile).  Either where asked for and it runs."""
+        kernel = load_linear_kernel()
+        assert kernel is not None  # packed_bf16 found it
+        if asked == "bfloat16":
+            self._check_quantized_decodes(asked, kernel)
+        if asked != "auto":
+            return asked
+        layer = self.model.layers[0].qkv_proj
+        q4 = isinstance(layer, PackedLinear) and layer.q4 is not None
+        return "bfloat16" if q4 and kernel.q4bf16_supported() and not kernel.amx_supported() \
+            else "bfloat16-weights"
+
     def _check_quantized_decodes(self, dtype: str, kernel: ModuleType | None) -> None:
         """decode_dtype int8 or bfloat16: refused, saying why, without a float32
         model of 4-bit weights on the kernels they need; int8 without VNNI says
@@ -310,7 +337,7 @@ class ModelRunner:
             kernels = ("unavailable" if kernel is None else "built, the CPU without them"
                        if bf16 and not kernel.q4bf16_supported() else "built")
             raise ValueError(f"decode_dtype: {dtype} needs a float32 model on {where} "
-                             f"(model dtype {str(self.dtype).removeprefix('torch.')}, device "
+                             f"(model dtype {str(self.model_dtype).removeprefix('torch.')}, device "
                              f"{self.device.type}, CPU kernels {kernels})")
         layer = self.model.layers[0].qkv_proj
         if not isinstance(layer, PackedLinear) or layer.q4 is None:

@@ -67,10 +67,12 @@ against int8's 47.4 ms, of 32 40.2 against 49.2, of one 18.0 against 14.4
 (2 bytes a weight against a 4-bit block's 0.75).
 
 A bfloat16 model on a CPU with AVX512-BF16 or AMX (model_runner.packed_bf16)
-is a float32 model under prefill_dtype=bfloat16 and bfloat16-weights whose
-head runs a prompt's last token on its bfloat16 panels too.  A layer whose
-every row runs on the bfloat16 panels frees its float32 ones (drop_float32):
-under both options, every projection; in such a model, the head as well.
+is a float32 model under prefill_dtype=bfloat16 and bfloat16-weights (or
+bfloat16 decodes: ModelRunner._bf16_model_decodes) whose head runs a prompt's
+last token on its bfloat16 panels too.  A layer whose prompt rows run on the
+bfloat16 panels and its other rows on those or on its blocks frees its
+float32 ones (drop_float32); in such a model, the head as well.  A layer of
+4-bit blocks never holds float32 panels.
 """
 
 from __future__ import annotations
@@ -225,8 +227,10 @@ def leading_rows(runs: Sequence[RowRun], query_lens: Sequence[int]) -> list[int]
 class PackedLinear(nn.Module):
     """A float32 linear layer whose weight is packed once for the CPU kernel;
     the BLAS would repack it on every call, which dominates decode steps of a
-    few rows.  Holds the packed copies only: float32 panels, exact quantized
-    blocks, or both; a 4-bit checkpoint's layer (AWQ, GPTQ) its blocks alone."""
+    few rows.  Holds the packed copies only: float32 panels, 8-bit blocks
+    beside them (a head), or 4-bit blocks alone (a GGUF's Q4_1 tensors, an
+    AWQ or GPTQ checkpoint's layers): every row runs on those, so float32
+    panels beside them would never be read."""
 
     panels: torch.Tensor | None
     q4: torch.Tensor | None
@@ -242,8 +246,8 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         if stored is None:
             weight = linear.weight.detach()
-            panels = kernel.pack_weight(weight)
             q4 = q4_blocks(weight, kernel)
+            panels = None if q4 is not None else kernel.pack_weight(weight)
             q8 = None if q4 is not None else q8_blocks(weight, kernel)
         else:
             panels, q4, q8 = stored.get(""), stored.get("#q4"), stored.get("#q8")
@@ -256,8 +260,11 @@ class PackedLinear(nn.Module):
             if q4 is not None and q4.shape[:2] != (p, self.in_features // 32):
                 raise ValueError(f"4-bit weights: {tuple(q4.shape)} do not fit a "
                                  f"{self.in_features}->{self.out_features} layer")
-        self.register_buffer("panels", panels, persistent=False)
-        self.register_buffer("q4", q4 if q4 is not None and q4.numel() else None, persistent=False)
+        q4 = q4 if q4 is not None and q4.numel() else None
+        # A layer of 4-bit blocks runs every row on them (or on bfloat16 panels):
+        # nothing reads float32 panels beside them (4 bytes a weight, not 0.75).
+        self.register_buffer("panels", None if q4 is not None else panels, persistent=False)
+        self.register_buffer("q4", q4, persistent=False)
         self.register_buffer("q8", q8 if q8 is not None and q8.numel() else None, persistent=False)
         self.register_buffer("bf16", None, persistent=False)
         self.prompt_rows: PromptRows | None = None
@@ -282,10 +289,12 @@ class PackedLinear(nn.Module):
         return self.bf16.permute(0, 2, 1, 3).reshape(p * 16, k2 * 2)[:self.out_features].float()
 
     def drop_float32(self) -> None:
-        """Free the float32 panels where every row runs on the bfloat16 ones
-        (enable_bf16 and enable_bf16_weights): nothing reads them then.  Half
-        the memory a float32 layer holds (2 bytes a weight, not 6)."""
-        if self._one_path:
+        """Free the float32 panels where no row reads them: prompt rows on the
+        bfloat16 panels (enable_bf16) and the others on those too
+        (enable_bf16_weights) or on the layer's 8-bit blocks
+        (enable_bf16_decodes, enable_int8).  Half the memory such a layer
+        holds or less (2 bytes a weight, and 1 for the blocks, not 6)."""
+        if self.bf16_prompts and (self.bf16_weights or self.bf16_decodes or self.int8):
             self.register_buffer("panels", None, persistent=False)
 
     def enable_bf16(self, rows: PromptRows) -> None:

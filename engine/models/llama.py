@@ -270,11 +270,10 @@ class LlamaForCausalLM(nn.Module):
             elif int4 is not None and path in int4:
                 if int4_only:
                     stored = {"#q4": pack_blocks(int4[path])}
-                else:  # the float weights are loaded: keep their panels, and the blocks if they rebuild them
-                    stored = {"": kernel.pack_weight(linear.weight.detach())}
+                else:  # the float weights are loaded: the blocks if they rebuild them, else their panels
                     q4 = exact_blocks(int4[path], kernel, linear.weight.detach())
-                    if q4 is not None:
-                        stored["#q4"] = q4
+                    stored = ({"#q4": q4} if q4 is not None
+                              else {"": kernel.pack_weight(linear.weight.detach())})
             setattr(parent, name, PackedLinear(linear, kernel, stored))
         if not self.spec.fusable:  # the projections stay packed; the small ops run in torch
             return
@@ -295,8 +294,9 @@ class LlamaForCausalLM(nn.Module):
 
     def bf16_head_prompts(self, rows: PromptRows | None) -> None:
         """A bfloat16 model on the packed kernels: the head's prompt rows (a
-        prompt's last token) on its bfloat16 panels too, as every other row
-        under bfloat16-weights: the head then has one path."""
+        prompt's last token) on its bfloat16 panels too, its other rows on
+        those (bfloat16-weights) or its 8-bit blocks (bfloat16): no row reads
+        its float32 panels then."""
         if isinstance(self.lm_head, PackedLinear) and rows is not None:
             self.lm_head.enable_bf16(rows)
 

@@ -1,10 +1,12 @@
 """A bfloat16 model on a CPU whose packed kernels run bfloat16 (AVX512-BF16 or
-AMX; model_runner.packed_bf16): its weights held as bfloat16 panels only (and
-a layer's 4-bit blocks, read for few rows with the same bits), every token
-through them, activations and sums in float32.  Each token is then computed
-exactly as a float32 model computes it under --prefill-dtype bfloat16
---decode-dtype bfloat16-weights with a bfloat16 KV cache, but for the head's
-logits of a prompt's last token (bfloat16 panels, not float32)."""
+AMX; model_runner.packed_bf16): its weights held as bfloat16 panels (and a
+layer's 4-bit blocks), no float32 copy, activations and sums in float32.  Each
+token is then computed exactly as a float32 model computes it under
+--prefill-dtype bfloat16 --decode-dtype D with a bfloat16 KV cache, but for
+the head's logits of a prompt's last token (bfloat16 panels, not float32).  D
+is what the model's decode_dtype says: asked for, or by default bfloat16 (the
+4-bit blocks exact, x rounded) on a CPU with AVX512-VBMI and no AMX, else
+bfloat16-weights (the panels)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layers.packed_linear import PackedLinear
+from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 from .procs import start_pair, stop_all
 from .test_prefill_bf16 import BF16_CPU, _tokens_and_logprobs
@@ -29,28 +32,42 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]
     return [_tokens_and_logprobs(o) for o in outs]
 
 
+def _default_decodes() -> str:
+    """What a bfloat16 model's generated tokens run on by default here (ModelRunner._bf16_model_decodes)."""
+    from engine.layers.cpu_attention import load_linear_kernel
+
+    kernel = load_linear_kernel()
+    return "bfloat16" if kernel.q4bf16_supported() and not kernel.amx_supported() else "bfloat16-weights"
+
+
 @needs_bf16
-def test_bf16_model_holds_bf16_panels_only_and_computes_as_float32_with_bf16_options() -> None:
-    bf = LLM(dtype="bfloat16", num_blocks=96, num_threads=1)
+@pytest.mark.parametrize("decodes", ["auto", "bfloat16-weights",
+                                     pytest.param("bfloat16", marks=needs_q4bf16)])
+def test_bf16_model_holds_no_float32_weights_and_computes_as_float32_with_bf16_options(decodes: str) -> None:
+    bf = LLM(dtype="bfloat16", num_blocks=96, num_threads=1, decode_dtype=decodes)
     runner = bf.engine.runner
+    want = _default_decodes() if decodes == "auto" else decodes
     assert runner.bf16_weights_model
     assert (runner.model_dtype, runner.dtype) == (torch.bfloat16, torch.float32)  # weights, activations
     assert (runner.prefill_dtype, runner.decode_dtype, runner.kv_cache.dtype) == (
-        "bfloat16", "bfloat16-weights", torch.bfloat16)
+        "bfloat16", want, torch.bfloat16)
     for path in runner.model.linear_names():
         layer = runner.model.get_submodule(path)
         assert isinstance(layer, PackedLinear), path
-        # every row on the bfloat16 panels (the head's prompt rows too): no float32 copy held
-        assert layer.bf16 is not None and layer.panels is None and layer._one_path, path
+        # prompt rows on the bfloat16 panels (the head's too), the others on those or the blocks:
+        # no float32 copy held
+        assert layer.bf16 is not None and layer.panels is None and layer.bf16_prompts, path
+        assert layer.bf16_weights == (want == "bfloat16-weights"), path
+        assert layer.bf16_decodes == (want == "bfloat16"), path
     f32 = LLM(dtype="float32", num_blocks=96, num_threads=1, prefill_dtype="bfloat16",
-              decode_dtype="bfloat16-weights", kv_cache_dtype="bfloat16")
+              decode_dtype=want, kv_cache_dtype="bfloat16")
     assert bf.engine.kv_layout == f32.engine.kv_layout  # the same prompt blocks: pairs with such a worker
     # the head's weight is the float32 one rounded to bfloat16, read back from its panels
     head, ref = runner.model.lm_head, f32.engine.runner.model.lm_head
     assert ref.panels is not None  # there the head's prompt rows stay float32
     assert torch.equal(head.weight(), ref.weight().bfloat16().float())
-    got, want = _generate(bf, PROMPTS), _generate(f32, PROMPTS)
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want, strict=True):
+    got, want_out = _generate(bf, PROMPTS), _generate(f32, PROMPTS)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want_out, strict=True):
         assert tokens == ref_tokens
         assert lps[1:] == ref_lps[1:]  # every decode the same bits
         # the first token's logits: the head on bfloat16 panels here, float32 there
@@ -62,13 +79,14 @@ def test_bf16_model_holds_bf16_panels_only_and_computes_as_float32_with_bf16_opt
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A prefill worker of a bfloat16 model and a decode worker of a float32
-    model whose tokens all run in bfloat16 (every prompt sent to the prefill worker)."""
+    model whose tokens all run in bfloat16, generated ones as the bfloat16
+    model's do (every prompt sent to the prefill worker)."""
     if not BF16_CPU:
         pytest.skip("this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which a bfloat16 model's "
                     "packed kernels need")
     p, d = start_pair(tmp_path_factory.mktemp("bf16-model"), ["--num-blocks", "64", "--dtype", "bfloat16"],
                       ["--num-blocks", "64", "--dtype", "float32", "--prefill-dtype", "bfloat16",
-                       "--decode-dtype", "bfloat16-weights", "--kv-cache-dtype", "bfloat16",
+                       "--decode-dtype", _default_decodes(), "--kv-cache-dtype", "bfloat16",
                        "--local-prefill-threshold", "1"])
     try:
         yield p, d

@@ -38,9 +38,10 @@ BUDGET = 64 << 20  # KV bytes: blocks per budget is what fp8 doubles
 #   fp8_e5m2 cache            91.67%        96.73%        0.66        0.081
 #   bfloat16 model (yardstick) 97.40%       99.70%        1.46        0.025
 #   on torch's bfloat16 ops
-#   the same on the packed     99.22%       100.00%        0.049       0.0076
+#   the same on the packed     99.22%       100.00%        0.058       0.0067
 #   kernels (a CPU with AVX512-BF16 or AMX: bfloat16 weights, float32
-#   activations; Zen 4, session 48)
+#   activations; Zen 4, session 49: generated tokens on the 4-bit blocks,
+#   bfloat16 inputs; on the bfloat16 panels, session 48: 0.049, 0.0076)
 #   bfloat16 cache, float32   100.00%      100.00%        0.024       0.0025
 #   model (--kv-cache-dtype bfloat16; Zen 5, session 17)
 #   float16 cache, float32   100.00%      100.00%        0.0050      0.00035

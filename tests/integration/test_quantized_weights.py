@@ -174,7 +174,9 @@ def test_gguf_type_matches_its_dequantized_weights(qtype, tmp_path, private_cach
         layer = model.layers[1].qkv_proj
         x = torch.randn(1, layer.in_features)
         assert torch.equal(layer(x), layer.kernel.q4_linear(x, layer.q4, layer.out_features, None))
-        torch.testing.assert_close(layer(x), layer.kernel.packed_linear(x, layer.panels, layer.out_features),
+        assert layer.panels is None  # the blocks alone
+        panels = layer.kernel.pack_weight(layer.weight())
+        torch.testing.assert_close(layer(x), layer.kernel.packed_linear(x, panels, layer.out_features),
                                    rtol=1e-5, atol=1e-5)
     else:  # no 4-bit form: float32 weights dequantized at load
         assert four_bit == []

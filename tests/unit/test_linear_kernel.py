@@ -92,10 +92,15 @@ def test_the_loaded_model_runs_packed_and_agrees_with_the_plain_one(monkeypatch)
         for name in ("qkv_proj", "gate_up_proj"):
             torch.testing.assert_close(getattr(packed.layers[3], name)(x), getattr(plain.layers[3], name)(x),
                                        rtol=1e-4, atol=1e-4)
-    # what the engine runs is exactly the plain weights, packed (from the cache or not)
-    for path in ("layers.0.qkv_proj", "layers.29.down_proj", "lm_head"):
-        weight = plain.get_submodule(path).weight.detach()
-        assert torch.equal(packed.get_submodule(path).panels, packed.lm_head.kernel.pack_weight(weight))
+    # what the engine runs is exactly the plain weights, packed (from the cache or not): the
+    # projections as 4-bit blocks alone (no float32 panels beside them), the 8-bit head with its panels
+    for path in ("layers.0.qkv_proj", "layers.29.down_proj"):
+        layer = packed.get_submodule(path)
+        assert layer.q4 is not None and layer.panels is None
+        assert torch.equal(layer.weight(), plain.get_submodule(path).weight.detach())
+    weight = plain.lm_head.weight.detach()
+    assert packed.lm_head.q8 is not None
+    assert torch.equal(packed.lm_head.panels, packed.lm_head.kernel.pack_weight(weight))
 
 
 def test_packed_weights_are_cached_and_a_bad_cache_is_rebuilt(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -108,10 +113,10 @@ def test_packed_weights_are_cached_and_a_bad_cache_is_rebuilt(monkeypatch, tmp_p
     first = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
     assert cache.exists()
     cached = model_runner.load_packed(cache)
-    assert cached is not None and set(first.linear_names()) <= set(cached)
-    assert set(cached) == set(first.packed_panels())
+    assert cached is not None and set(cached) == set(first.packed_panels())
+    assert all(path in cached or f"{path}#q4" in cached for path in first.linear_names())
     second = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
-    assert torch.equal(second.layers[7].gate_up_proj.panels, first.layers[7].gate_up_proj.panels)
+    assert torch.equal(second.layers[7].gate_up_proj.q4, first.layers[7].gate_up_proj.q4)
     cache.write_bytes(b"not a torch file")
     third = model_runner.load_model(model_dir, torch.float32, torch.device("cpu"))
     assert torch.equal(third.lm_head.panels, first.lm_head.panels)
@@ -264,10 +269,11 @@ def test_the_default_model_decodes_few_rows_from_its_4_bit_copy() -> None:
 
     model = model_runner.load_model(resolve_model(None), torch.float32, torch.device("cpu"))
     layers = [model.get_submodule(p) for p in model.linear_names() if p != "lm_head"]
-    assert all(layer.q4 is not None for layer in layers)
+    assert all(layer.q4 is not None and layer.panels is None for layer in layers)  # the blocks alone
     layer = model.layers[5].gate_up_proj
     x = torch.randn(9, layer.in_features)
-    torch.testing.assert_close(layer(x), layer.kernel.packed_linear(x, layer.panels, layer.out_features),
+    panels = layer.kernel.pack_weight(layer.weight())
+    torch.testing.assert_close(layer(x), layer.kernel.packed_linear(x, panels, layer.out_features),
                                rtol=1e-4, atol=1e-4)
     assert torch.equal(layer(x[4:5]), layer(x)[4:5])
     head = model.lm_head
