@@ -160,9 +160,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     return model
 
 
-def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
+def packed_cache_path(model_dir: Path, files: Sequence[str], kind: str = "") -> Path:
     """Where the packed weights of these safetensors files are kept: the key
-    changes with the files and with the kernel's source (its packing layout)."""
+    changes with the files and with the kernel's source (its packing layout).
+    kind "bf16": their bfloat16 panels (bf16_panels_path), beside them."""
     from engine.layers import packed_linear
     from engine.layers.cpu_attention import CSRC
     from engine.models import llama, quantized
@@ -176,7 +177,14 @@ def packed_cache_path(model_dir: Path, files: Sequence[str]) -> Path:
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.realpath(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_dir() / "packed" / f"{model_dir.name}-{h.hexdigest()[:16]}.pt"
+    return cache_dir() / "packed" / f"{model_dir.name}{'-' + kind if kind else ''}-{h.hexdigest()[:16]}.pt"
+
+
+def bf16_panels_path(model_dir: Path) -> Path:
+    """Where the bfloat16 panels packed from a model's weights are kept
+    (prefill_dtype=bfloat16, bfloat16-weights, a bfloat16 model), keyed as
+    its packed weights are."""
+    return packed_cache_path(model_dir, sorted(glob.glob(str(model_dir / "*.safetensors"))), "bf16")
 
 
 def load_packed(path: Path) -> dict[str, torch.Tensor] | None:
@@ -229,6 +237,12 @@ class ModelRunner:
                 self._check_quantized_decodes(decodes, load_linear_kernel())
             self.dtype, prefill = torch.float32, "bfloat16"
         self.model = load_model(model_dir, self.dtype, self.device)
+        # bfloat16 panels packed by an earlier start, mapped from the file as
+        # the packed weights are: the layers that hold bfloat16 panels below take them.
+        bf16_cache = bf16_panels_path(model_dir) if isinstance(self.model.lm_head, PackedLinear) else None
+        bf16_stored = load_packed(bf16_cache) if bf16_cache is not None else None
+        if bf16_stored is not None:
+            self.model.offer_bf16_panels(bf16_stored)
         if self.bf16_weights_model:
             decodes = self._bf16_model_decodes(decodes)
         self.spec = self.model.spec
@@ -267,7 +281,10 @@ class ModelRunner:
                      "bfloat16 --decode-dtype %s, no float32 copy of the weights held",
                      "bfloat16 inputs, the 4-bit blocks exact" if decodes == "bfloat16"
                      else "the bfloat16 panels", decodes)
-        self.model.drop_float32_panels()
+        self.model.drop_unread_panels()
+        held = self.model.bf16_panels()
+        if bf16_cache is not None and held.keys() - (bf16_stored or {}).keys():
+            save_packed({**(bf16_stored or {}), **held}, bf16_cache)  # packed here: kept for the next start
         if self.device.type == "cpu":
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB, %s)", model_dir.name, self.num_blocks,

@@ -67,11 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens stay exact; prefill and decode must agree")
     g.add_argument("--decode-dtype", default=ModelConfig.decode_dtype, choices=DECODE_DTYPES,
                    help="auto: generated tokens in --dtype; 4-bit float32 models: int8 (inputs "
-                        "int8 per block of 32, about 1.7x the decode steps of 32) or bfloat16 (inputs "
+                        "int8 per block of 32) or bfloat16 (inputs "
                         "rounded, AVX512-BF16 and VBMI); any float32 model: bfloat16-weights "
-                        "(bfloat16 panels, AMX tiles where present); a bfloat16 model on the packed "
-                        "kernels: auto (bfloat16 where the CPU has VBMI and no AMX, else "
-                        "bfloat16-weights), bfloat16 or bfloat16-weights; prompt tokens keep their path")
+                        "(bfloat16 panels, AMX tiles where present); a bfloat16 model: either bfloat16 "
+                        "option (auto picks); prompt tokens keep their path")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,

@@ -72,7 +72,7 @@ is a float32 model under prefill_dtype=bfloat16 and bfloat16-weights (or
 bfloat16 decodes: ModelRunner._bf16_model_decodes) whose head runs a prompt's
 last token on its bfloat16 panels too.  A layer whose prompt rows run on the
 bfloat16 panels and its other rows on those or on its blocks frees its
-float32 ones (drop_float32); in such a model, the head as well.  A layer of
+float32 ones (drop_unread); in such a model, the head as well.  A layer of
 4-bit blocks never holds float32 panels.
 """
 
@@ -279,24 +279,35 @@ class PackedLinear(nn.Module):
 
     def weight(self) -> torch.Tensor:
         """The float32 weight [N, K] the packed copies stand for (the bfloat16
-        one where drop_float32 left only the bfloat16 panels)."""
+        one where drop_unread left only the bfloat16 panels)."""
         if self.panels is not None:
             p, k, _ = self.panels.shape
             return self.panels.permute(0, 2, 1).reshape(p * 16, k)[:self.out_features]
         if self.q4 is not None:
             return self.kernel.q4_unpack(self.q4, self.out_features)
-        assert self.bf16 is not None  # a layer without panels or 4-bit blocks ran drop_float32
+        assert self.bf16 is not None  # a layer without panels or 4-bit blocks ran drop_unread
         p, k2, _, _ = self.bf16.shape  # [N/16, K/2, 16, 2]
         return self.bf16.permute(0, 2, 1, 3).reshape(p * 16, k2 * 2)[:self.out_features].float()
 
-    def drop_float32(self) -> None:
-        """Free the float32 panels where no row reads them: prompt rows on the
-        bfloat16 panels (enable_bf16) and the others on those too
+    def drop_unread(self) -> None:
+        """Free the panels no row reads: the bfloat16 ones offered but not
+        asked for (offer_bf16), and the float32 ones where prompt rows run on
+        the bfloat16 panels (enable_bf16) and the others on those too
         (enable_bf16_weights) or on the layer's 8-bit blocks
-        (enable_bf16_decodes, enable_int8).  Half the memory such a layer
+        (enable_bf16_decodes, enable_int8): half the memory such a layer
         holds or less (2 bytes a weight, and 1 for the blocks, not 6)."""
+        if not (self.bf16_prompts or self.bf16_weights):
+            self.register_buffer("bf16", None, persistent=False)
         if self.bf16_prompts and (self.bf16_weights or self.bf16_decodes or self.int8):
             self.register_buffer("panels", None, persistent=False)
+
+    def offer_bf16(self, panels: torch.Tensor) -> None:
+        """bfloat16 panels packed before from this weight (pack_bf16's
+        [N/16, K/2, 16, 2]): held, and read if enable_bf16 or
+        enable_bf16_weights asks for them, instead of packing them again."""
+        shape = ((self.out_features + 15) // 16, self.in_features // 2, 16, 2)
+        if tuple(panels.shape) == shape and panels.dtype == torch.bfloat16:
+            self.register_buffer("bf16", panels, persistent=False)
 
     def enable_bf16(self, rows: PromptRows) -> None:
         """Hold bfloat16 panels too (the weight rounded to nearest even) and run

@@ -300,13 +300,30 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, PackedLinear) and rows is not None:
             self.lm_head.enable_bf16(rows)
 
-    def drop_float32_panels(self) -> None:
-        """Free each packed layer's float32 panels where no row reads them
-        (PackedLinear.drop_float32)."""
+    def drop_unread_panels(self) -> None:
+        """Free each packed layer's panels that no row reads (PackedLinear.drop_unread)."""
         for path in self.linear_names():
             layer = self.get_submodule(path)
             if isinstance(layer, PackedLinear):
-                layer.drop_float32()
+                layer.drop_unread()
+
+    def offer_bf16_panels(self, panels: Mapping[str, torch.Tensor]) -> None:
+        """bfloat16 panels packed before (by linear path, as bf16_panels gives
+        them): each packed layer takes its own where they fit, and runs on
+        them if it is asked to hold bfloat16 panels (drop_unread frees the rest)."""
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if isinstance(layer, PackedLinear) and path in panels:
+                layer.offer_bf16(panels[path])
+
+    def bf16_panels(self) -> dict[str, torch.Tensor]:
+        """Each packed layer's bfloat16 panels, where it holds them, by linear path."""
+        out: dict[str, torch.Tensor] = {}
+        for path in self.linear_names():
+            layer = self.get_submodule(path)
+            if isinstance(layer, PackedLinear) and layer.bf16 is not None:
+                out[path] = layer.bf16
+        return out
 
     def enable_decodes(self, decode_dtype: str, rows: PromptRows, head_rows: PromptRows) -> None:
         """decode_dtype int8 or bfloat16: every layer's 4-bit projections run the

@@ -76,6 +76,46 @@ def test_bf16_model_holds_no_float32_weights_and_computes_as_float32_with_bf16_o
     assert [_generate(bf, [p])[0] for p in PROMPTS] == got
 
 
+@needs_bf16
+def test_bf16_panels_are_kept_for_the_next_start(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The bfloat16 panels a start packs are saved beside the packed weights
+    and mapped from the file by the next start that holds bfloat16 panels;
+    a start that needs more panels than the file has adds them; one that
+    holds none keeps none; a bad file is packed again."""
+    import engine.model_runner as model_runner
+
+    path = tmp_path / "bf16.pt"
+    monkeypatch.setattr(model_runner, "bf16_panels_path", lambda *_: path)
+
+    def names(llm: LLM) -> set[str]:
+        return set(llm.engine.runner.model.bf16_panels())
+
+    first = LLM(dtype="float32", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
+    projections = {p for p in first.engine.runner.model.linear_names() if p != "lm_head"}
+    assert names(first) == projections  # the head's prompt rows stay float32 there
+    saved = model_runner.load_packed(path)
+    assert saved is not None and set(saved) == projections
+    # the next start takes the file's panels: one changed on disk is what it holds
+    marked = {k: v.clone() for k, v in saved.items()}
+    marked["layers.3.o_proj"].view(torch.int16)[0, 0, 0, 0] ^= 1
+    torch.save(marked, path)
+    second = LLM(dtype="float32", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
+    assert torch.equal(second.engine.runner.model.layers[3].o_proj.bf16, marked["layers.3.o_proj"])
+    # a bfloat16 model also holds the head's: packed here, added to the file
+    bf = LLM(dtype="bfloat16", num_blocks=16, num_threads=1)
+    assert names(bf) == projections | {"lm_head"}
+    saved = model_runner.load_packed(path)
+    assert saved is not None and set(saved) == projections | {"lm_head"}
+    assert torch.equal(saved["layers.3.o_proj"], marked["layers.3.o_proj"])
+    # a float32 model without bfloat16 options holds none of them
+    assert names(LLM(dtype="float32", num_blocks=16, num_threads=1)) == set()
+    path.write_bytes(b"not a torch file")
+    again = LLM(dtype="float32", num_blocks=16, num_threads=1, prefill_dtype="bfloat16")
+    assert torch.equal(again.engine.runner.model.layers[3].o_proj.bf16,
+                       first.engine.runner.model.layers[3].o_proj.bf16)
+    assert model_runner.load_packed(path) is not None  # rewritten
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A prefill worker of a bfloat16 model and a decode worker of a float32
