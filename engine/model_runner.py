@@ -330,9 +330,10 @@ class ModelRunner:
         but no AMX, else bfloat16-weights (the bfloat16 panels; few rows' from
         the blocks, the same bits).  Without AMX a step of few rows makes the
         panels' pairs from each block before reading them, which bfloat16
-        decodes skip: Zen 4 (family 25 model 17), one sequence 10.1 against
-        11.3 ms a step, 8 sequences 18.2 against 20.7, 32 the same (39.7,
-        39.6; benchmarks.step_profile).  Either where asked for and it runs."""
+        decodes skip: Zen 4 (family 25 model 17, benchmarks.step_profile),
+        one sequence 7.4 against 8.6 ms a step, 8 sequences 12.9 against
+        14.7; 32 sequences 36.2 against 35.4 (the head's 8-bit blocks cost
+        more than its panels there).  Either where asked for and it runs."""
         kernel = load_linear_kernel()
         assert kernel is not None  # packed_bf16 found it
         if asked == "bfloat16":
