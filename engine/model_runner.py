@@ -238,8 +238,11 @@ class ModelRunner:
             self.dtype, prefill = torch.float32, "bfloat16"
         self.model = load_model(model_dir, self.dtype, self.device)
         # bfloat16 panels packed by an earlier start, mapped from the file as
-        # the packed weights are: the layers that hold bfloat16 panels below take them.
-        bf16_cache = bf16_panels_path(model_dir) if isinstance(self.model.lm_head, PackedLinear) else None
+        # the packed weights are, where an option runs rows on them: the layers
+        # that hold bfloat16 panels below take them.
+        wants_bf16 = prefill == "bfloat16" or decodes == "bfloat16-weights"
+        bf16_cache = (bf16_panels_path(model_dir)
+                      if wants_bf16 and isinstance(self.model.lm_head, PackedLinear) else None)
         bf16_stored = load_packed(bf16_cache) if bf16_cache is not None else None
         if bf16_stored is not None:
             self.model.offer_bf16_panels(bf16_stored)
@@ -340,10 +343,13 @@ class ModelRunner:
             self._check_quantized_decodes(asked, kernel)
         if asked != "auto":
             return asked
-        layer = self.model.layers[0].qkv_proj
-        q4 = isinstance(layer, PackedLinear) and layer.q4 is not None
-        return "bfloat16" if q4 and kernel.q4bf16_supported() and not kernel.amx_supported() \
+        return "bfloat16" if self._four_bit() and kernel.q4bf16_supported() and not kernel.amx_supported() \
             else "bfloat16-weights"
+
+    def _four_bit(self) -> bool:
+        """Whether the model's projections are packed 4-bit blocks (the quantized decodes' layers)."""
+        layer = self.model.layers[0].qkv_proj
+        return isinstance(layer, PackedLinear) and layer.q4 is not None
 
     def _check_quantized_decodes(self, dtype: str, kernel: ModuleType | None) -> None:
         """decode_dtype int8 or bfloat16: refused, saying why, without a float32
@@ -357,8 +363,7 @@ class ModelRunner:
             raise ValueError(f"decode_dtype: {dtype} needs a float32 model on {where} "
                              f"(model dtype {str(self.model_dtype).removeprefix('torch.')}, device "
                              f"{self.device.type}, CPU kernels {kernels})")
-        layer = self.model.layers[0].qkv_proj
-        if not isinstance(layer, PackedLinear) or layer.q4 is None:
+        if not self._four_bit():
             raise ValueError(f"decode_dtype: {dtype} needs a model of 4-bit weights (a Q4_1 GGUF, AWQ or "
                              "GPTQ) on the packed CPU projections")
         if not bf16 and not kernel.i8_vnni_supported():
