@@ -34,14 +34,22 @@ class Clock:
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.parts: dict[str, float] = defaultdict(float)
         self.now = now
+        self.open: set[str] = set()  # parts being timed now
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
+        # A part inside itself (forward_normed calling forward on the float32
+        # path) is timed once, by the outermost call.
+        if name in self.open:
+            yield
+            return
+        self.open.add(name)
         t0 = self.now()
         try:
             yield
         finally:
             self.parts[name] += self.now() - t0
+            self.open.discard(name)
 
     def wrap(self, obj: Any, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
