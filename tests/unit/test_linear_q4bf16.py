@@ -72,7 +72,7 @@ def test_q4bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int)
 
 
 @needs_cpu
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 193])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 17, 32, 33, 40, 193])
 @pytest.mark.parametrize("k_in,n", [(64, 16), (64, 50), (576, 200)])
 def test_q8bf16_linear_is_the_rounded_product(kernel, m: int, k_in: int, n: int) -> None:  # type: ignore[no-untyped-def]
     """8-bit blocks (the head): each block adds d * sum(x q), q exact in bfloat16."""
@@ -96,7 +96,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernel) -> None:  # type: ig
     for f, w in ((kernel.q4bf16_linear, blocks), (kernel.q8bf16_linear, head)):
         whole = f(x, w, 200)
         for lo, hi in ((0, 1), (1, 3), (5, 9), (17, 40), (3, 200), (199, 200), (0, 4), (0, 8), (3, 10),
-                       (0, 12), (0, 13), (0, 32)):
+                       (0, 12), (0, 13), (0, 16), (0, 17), (0, 32), (0, 33), (5, 21)):
             assert torch.equal(f(x[lo:hi], w, 200), whole[lo:hi]), (f, lo, hi)
 
 

@@ -1551,13 +1551,17 @@ void q4bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 // to bfloat16.  Each panel is decoded once per call into bfloat16 pairs of
 // the exact q values (|q| <= 127 fits bfloat16's 8 bits), 16 pairs of 16
 // columns after the block's d as stored; each row tile reads it from L1.  Up
-// to 8 rows make the pairs in registers instead, 2 or 4 panels at once
-// (q8bf16_few; the 576 x 49,152 head on a Zen 4: one row 0.8-1.0 against
-// 1.1-1.2 ms, 8 rows 1.7-1.8 against 2.2).
+// to Q8BF_FEW_ROWS rows make the pairs in registers instead (q8bf16_few): up
+// to 8 rows 2 or 4 panels at once, more one panel in tiles of up to 16 rows
+// (the 576 x 49,152 head on a Zen 4: one row 0.8-1.0 against 1.1-1.2 ms, 8
+// rows 1.7-1.8 against 2.2; 12 rows 2.4 against 3.4, 16 rows 3.0 against
+// 4.6, 24 rows 4.7 against 5.2; 32 rows and more the same either way).
 // Per block, one vdpbf16ps per pair of inputs into a float32 sum s, in k
 // order, then t = fma(s, d, t): one arithmetic for every row count.
 constexpr int64_t Q8BF_BLOCK_BYTES = NR * 4 + QB * NR * 2;  // d, then 16 pairs x 16 columns x 2 bfloat16
 constexpr int MR_B8 = 12;  // rows a tile: 12 sums and 12 accumulators
+constexpr int MR_B8_FEW = 16;  // rows a q8bf16_few tile of one panel: 16 sums, the totals in memory
+constexpr int64_t Q8BF_FEW_ROWS = 32;
 
 // Pair kp of an 8-bit block (inputs 2 kp, 2 kp + 1: its rows of 16 int8, one
 // per input) as the 16 columns' bfloat16 pairs.
@@ -1586,7 +1590,8 @@ inline void q8bf16_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
 // same bits).  One panel gives a row one chain of 16 dependent dot products
 // a block, which bound a step of one sequence; NP panels give NP chains.
 // The running totals wait in `tile` between blocks (float32 stored and
-// loaded: the same bits), so 8 rows of 2 panels keep their sums in registers.
+// loaded: the same bits), so 8 rows of 2 panels, or 16 of one, keep their
+// sums in registers.
 template <int R, int NP>
 void q8bf16_few(const uint8_t* p, int64_t pbytes, int64_t K, const uint32_t* x, int64_t ldx, float* tile) {
   for (int n = 0; n < NP; ++n)
@@ -1649,6 +1654,18 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
     }
   }
   if (n == np) return;
+  if (rows <= Q8BF_FEW_ROWS) {  // the rest one panel at a time, in tiles of rows as even as they divide
+    alignas(64) float few[MR_B8_FEW * NR];
+    const int64_t tiles = (rows + MR_B8_FEW - 1) / MR_B8_FEW;
+    for (; n < np; ++n)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const auto [m, r] = row_tile(rows, t, tiles);
+        tile_of<MR_B8_FEW>(
+            r, [&](auto rc) { q8bf16_few<decltype(rc)::value, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, few); });
+        store_tile(few, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
+      }
+    return;
+  }
   thread_local std::vector<uint8_t> dec;
   dec.resize(static_cast<size_t>(K / QB * Q8BF_BLOCK_BYTES));
   alignas(64) float tile[MR_B8 * NR];
