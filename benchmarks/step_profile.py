@@ -7,6 +7,10 @@ and medians reported, since the machines are shared and noisy.
     python -m benchmarks.step_profile --dtypes float32,bfloat16 --batch 1 --steps 64
     python -m benchmarks.step_profile --dtypes float32,float32/bfloat16 --batch 32   # dtype/KV cache dtype
     python -m benchmarks.step_profile --dtypes float32/bfloat16,float32/bfloat16+bfloat16  # --decode-dtype
+
+An AVX2-only machine's step on a CPU with AVX-512 (its linear kernels and
+its attention build): SPLITSERVE_LINEAR_ISA=avx2 SPLITSERVE_ATTENTION_ISA=avx2
+python -m benchmarks.step_profile --dtypes float32/float16 --batch 32
 """
 
 from __future__ import annotations

@@ -43,6 +43,12 @@ def stable_source(build_dir: Path, source: Path = SOURCE) -> Path:
 # from being fused, which would round weights differently from their float32 copies.
 NATIVE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 PORTABLE_FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
+# The attention kernel as an AVX2-only machine builds it (x86-64-v3: AVX2, FMA,
+# F16C): SPLITSERVE_ATTENTION_ISA=avx2 runs it on a CPU with AVX-512 too, so
+# that, beside SPLITSERVE_LINEAR_ISA=avx2, a step there runs an AVX2 machine's
+# code (benchmarks.step_profile's numbers for a Zen 3 measured on a Zen 4).
+AVX2_FLAGS = [f for f in NATIVE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+ATTENTION_ISAS = ("native", "avx2")
 
 
 def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | None:
@@ -78,6 +84,15 @@ def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | Non
 
 @functools.cache
 def load_cpu_kernel() -> ModuleType | None:
+    isa = os.environ.get("SPLITSERVE_ATTENTION_ISA") or "native"
+    if isa not in ATTENTION_ISAS:
+        raise ValueError(f"SPLITSERVE_ATTENTION_ISA={isa}: not one of {', '.join(ATTENTION_ISAS)}")
+    if isa == "avx2":
+        from engine.layers.cpu_features import has
+
+        if not all(has(f) for f in ("avx2", "fma", "f16c")):
+            raise ValueError("SPLITSERVE_ATTENTION_ISA=avx2: this CPU lacks AVX2, FMA or F16C")
+        return build("splitserve_paged_attention_avx2", [SOURCE], AVX2_FLAGS)
     return build("splitserve_paged_attention_cpu", [SOURCE], NATIVE_FLAGS)
 
 

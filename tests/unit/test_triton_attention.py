@@ -28,7 +28,7 @@ def decode_kernel(request):  # type: ignore[no-untyped-def]
     """The CPU attention kernels as the engine builds them (-march=native) and,
     on a CPU with AVX-512, built for AVX2 too (x86-64-v3): the code the AVX2
     machines run (8-wide vectors, their own score sums) is checked here as well."""
-    from engine.layers.cpu_attention import NATIVE_FLAGS, SOURCE, build, load_cpu_kernel
+    from engine.layers.cpu_attention import AVX2_FLAGS, SOURCE, build, load_cpu_kernel
     from engine.layers.cpu_features import cpuinfo
 
     if request.param == "native":
@@ -36,8 +36,7 @@ def decode_kernel(request):  # type: ignore[no-untyped-def]
     else:
         if "avx512f" not in cpuinfo()[1]:
             pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-        flags = [f for f in NATIVE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-        kernel = build("splitserve_paged_attention_avx2", [SOURCE], flags)
+        kernel = build("splitserve_paged_attention_avx2", [SOURCE], AVX2_FLAGS)
     assert kernel is not None
     return kernel
 
@@ -280,3 +279,41 @@ def test_cpu_decode_kernel_rejects_bad_input() -> None:
                                       torch.zeros(1, dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         kernel.paged_decode_attention(q[:, :8], kv_cache, LAYER, meta.block_tables, meta.seq_lens, 0.125)
+
+
+@pytest.fixture()
+def fresh_cpu_kernel():  # type: ignore[no-untyped-def]
+    """load_cpu_kernel with its cache cleared before and after (it reads the environment once)."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    load_cpu_kernel.cache_clear()
+    yield load_cpu_kernel
+    load_cpu_kernel.cache_clear()
+
+
+def test_attention_isa_override_runs_the_avx2_build(fresh_cpu_kernel,  # type: ignore[no-untyped-def]
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPLITSERVE_ATTENTION_ISA=avx2 on an AVX-512 CPU: the engine's attention
+    is the AVX2 machines' build (the one decode_kernel's "avx2" case checks),
+    not the native one, and it computes the step's attention."""
+    from engine.layers.cpu_features import cpuinfo
+
+    if "avx512f" not in cpuinfo()[1]:
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    native = fresh_cpu_kernel()
+    fresh_cpu_kernel.cache_clear()
+    monkeypatch.setenv("SPLITSERVE_ATTENTION_ISA", "avx2")
+    kernel = fresh_cpu_kernel()
+    assert kernel is not None and native is not None
+    assert "splitserve_paged_attention_avx2" in kernel.__file__ and kernel.__file__ != native.__file__
+    gen = torch.Generator().manual_seed(5)
+    q, _, _, kv_cache, meta, expected = _make_step([(1, 40), (1, 300)], 16, 9, 3, 64, gen)
+    out = kernel.paged_decode_attention(q, kv_cache, LAYER, meta.block_tables, meta.seq_lens, 64 ** -0.5)
+    assert (out - expected).abs().max().item() < 1e-4
+
+
+def test_attention_isa_override_refuses_unknown_sets(fresh_cpu_kernel,  # type: ignore[no-untyped-def]
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_ATTENTION_ISA", "avx9")
+    with pytest.raises(ValueError, match="SPLITSERVE_ATTENTION_ISA=avx9: not one of native, avx2"):
+        fresh_cpu_kernel()
