@@ -273,9 +273,10 @@ inline f32x16 lane_sums(const f32x16 (&v)[16]) {
 // it to land), with the attention kernels' exp (exp_poly.h); a NaN score
 // stays NaN.  AVX2: the same 8 a register (libm's expf, one score at a time,
 // was a quarter of a float16 cache's decode attention: 32 sequences of 130
-// positions, 30 layers, on a Zen 4 running the AVX2 build, 9.8 -> 7.2-7.8 ms).  Not inlined: one body for every cache dtype, so that
-// -ffast-math cannot contract it differently in each (a float16 cache's sums
-// are a float32 copy's, bit for bit).
+// positions, 30 layers, on a Zen 4 running the AVX2 build, 9.8 -> 7.2-7.8
+// ms).  Not inlined: one body for every cache dtype, so that -ffast-math
+// cannot contract it differently in each (a float16 cache's sums are a
+// float32 copy's, bit for bit).
 __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, float& m, float& l) {
 #if defined(__AVX512F__)
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -302,11 +303,10 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
   // max and left out of the sum.
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef int32_t i32x8 __attribute__((vector_size(32)));
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t whole = n / 8 * 8, rest = n - whole;
   alignas(32) float tail[8];
   for (int64_t j = 0; j < 8; ++j) tail[j] = j < rest ? sh[whole + j] : -std::numeric_limits<float>::infinity();
-  __m256 vmax = _mm256_max_ps(_mm256_load_ps(tail), neg_inf);
+  __m256 vmax = _mm256_load_ps(tail);
   for (int64_t i0 = 0; i0 < whole; i0 += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(sh + i0), vmax);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
