@@ -92,8 +92,13 @@ def load_cpu_kernel() -> ModuleType | None:
 
         if not all(has(f) for f in ("avx2", "fma", "f16c")):
             raise ValueError("SPLITSERVE_ATTENTION_ISA=avx2: this CPU lacks AVX2, FMA or F16C")
-        return build("splitserve_paged_attention_avx2", [SOURCE], AVX2_FLAGS)
+        return build_avx2_kernel()
     return build("splitserve_paged_attention_cpu", [SOURCE], NATIVE_FLAGS)
+
+
+def build_avx2_kernel() -> ModuleType | None:
+    """The attention kernel built for x86-64-v3 (AVX2_FLAGS), whatever this CPU has."""
+    return build("splitserve_paged_attention_avx2", [SOURCE], AVX2_FLAGS)
 
 
 @functools.cache

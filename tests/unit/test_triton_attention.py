@@ -28,7 +28,7 @@ def decode_kernel(request):  # type: ignore[no-untyped-def]
     """The CPU attention kernels as the engine builds them (-march=native) and,
     on a CPU with AVX-512, built for AVX2 too (x86-64-v3): the code the AVX2
     machines run (8-wide vectors, their own score sums) is checked here as well."""
-    from engine.layers.cpu_attention import AVX2_FLAGS, SOURCE, build, load_cpu_kernel
+    from engine.layers.cpu_attention import build_avx2_kernel, load_cpu_kernel
     from engine.layers.cpu_features import cpuinfo
 
     if request.param == "native":
@@ -36,7 +36,7 @@ def decode_kernel(request):  # type: ignore[no-untyped-def]
     else:
         if "avx512f" not in cpuinfo()[1]:
             pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-        kernel = build("splitserve_paged_attention_avx2", [SOURCE], AVX2_FLAGS)
+        kernel = build_avx2_kernel()
     assert kernel is not None
     return kernel
 

@@ -301,8 +301,7 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
   // The same with 8 scores a register (the same exp, lane by lane); a last
   // partial register goes through `tail`, its lanes past n at -inf for the
   // max and left out of the sum.
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  typedef int32_t i32x8 __attribute__((vector_size(32)));  // dvec's lanes (DW is 8 here) as integers
   const int64_t whole = n / 8 * 8, rest = n - whole;
   alignas(32) float tail[8];
   for (int64_t j = 0; j < 8; ++j) tail[j] = j < rest ? sh[whole + j] : -std::numeric_limits<float>::infinity();
@@ -315,7 +314,7 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
   const __m256 mv = _mm256_set1_ps(m);
   auto exp8 = [&](__m256 v) {
     const __m256 x = _mm256_sub_ps(v, mv);
-    const __m256 e = reinterpret_cast<__m256>(splitserve_exp::exp_nonpositive<f32x8, i32x8>(reinterpret_cast<f32x8>(x)));
+    const __m256 e = reinterpret_cast<__m256>(splitserve_exp::exp_nonpositive<dvec, i32x8>(reinterpret_cast<dvec>(x)));
     return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
   };
   __m256 vsum = _mm256_setzero_ps();
