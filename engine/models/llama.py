@@ -94,6 +94,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+def rope_values(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, R/2] of positions (float32) times inv, in dtype."""
+    freqs = positions[:, None] * inv.to(positions.device)[None, :]  # [T, R/2]
+    return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+RopeRows = tuple[torch.Tensor, torch.Tensor]  # cos, sin
+
+
+class RopeTable:
+    """Each position's cos and sin (rope_values) for positions 0 .. n - 1, per
+    inverse frequency tensor and dtype, grown by doubling when a position past
+    them is asked for; a step takes its rows with index_select.  Computing them
+    per step ran torch's cos and sin over the step's T x R/2 angles, which
+    from 256 values on run as a parallel region: with OpenMP's idle threads
+    asleep (engine/__init__.py) each woke them, about 60 us on 2 cores for
+    32 rows, as advanced indexing does (index_select stays on the calling
+    thread).  The same float32 products and cos and sin of them, so the same
+    values as computed per step."""
+
+    MIN_POSITIONS = 4096
+
+    def __init__(self) -> None:
+        # id(inv) -> (inv, {dtype: (cos, sin)}); inv is held so that its id stays its own
+        # (a model's global and local inverse frequencies, as moved to the device)
+        self._tables: dict[int, tuple[torch.Tensor, dict[torch.dtype, RopeRows]]] = {}
+
+    def rows(self, inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._tables.get(id(inv))
+        if held is None or held[0] is not inv:
+            held = self._tables[id(inv)] = (inv, {})
+        tables = held[1]
+        cos, sin = tables.get(dtype, (None, None))
+        top = int(positions.max()) if positions.numel() else 0
+        if cos is None or sin is None or top >= cos.shape[0]:
+            n = max(self.MIN_POSITIONS, 1 << top.bit_length())
+            cos, sin = tables[dtype] = rope_values(inv, torch.arange(n, dtype=torch.float32), dtype)
+        idx = positions.long()
+        return cos.index_select(0, idx), sin.index_select(0, idx)
+
+
 # What _forward_fused reads of a layer's submodules, in its order.
 _FUSED_PARTS = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj",
                 "down_proj", "q_norm", "k_norm")
@@ -219,12 +262,16 @@ class LlamaForCausalLM(nn.Module):
             # The sliding-window layers' own rope (Gemma 3), or None.
             self.local_inv_freq = None if spec.local_rope_theta is None else inv_freq(
                 replace(spec, rope_theta=spec.local_rope_theta, rope_scaling=None))
+        self.rope_tables = RopeTable()
 
-    @staticmethod
-    def rope(inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+    def rope(self, inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]  # [T, R/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        """cos and sin [T, 1, R/2] of each position's angles (position * inv).
+        On the CPU, rows of a table of every position up to the largest asked
+        for (RopeTable): the same values, each computed once."""
+        if positions.device.type == "cpu" and inv.device.type == "cpu":
+            return self.rope_tables.rows(inv, positions, dtype)
+        return rope_values(inv, positions.float(), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attn: AttentionFn) -> torch.Tensor:
@@ -380,6 +427,7 @@ class LlamaForCausalLM(nn.Module):
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
         draft.local_inv_freq = self.local_inv_freq
+        draft.rope_tables = self.rope_tables
         return draft.eval()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], skip_linear_weights: bool = False,
