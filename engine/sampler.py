@@ -182,8 +182,8 @@ def first_argmax(x: Tensor) -> Tensor:
     against 0.12 for amax): the row's largest chunk maximum picks its chunk,
     then argmax within that chunk, which is the same first index.  The chunks
     are taken with index_select: advanced indexing (parts[rows, c]) copies in
-    a parallel region, which woke OpenMP's sleeping threads (88 against 4 us
-    for 32 rows)."""
+    a parallel region, which woke OpenMP's sleeping threads (32 chunks of
+    1,024 on 2 cores: 46-88 us, against 14 us with index_select)."""
     b, v = x.shape
     chunk = next((c for c in (1024, 512, 256, 128) if v % c == 0 and v > c), 0)
     if b < 4 or not chunk:
