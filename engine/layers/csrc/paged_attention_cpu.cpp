@@ -500,10 +500,10 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
       bool grouped = false;
 #if defined(__AVX512F__)
       if constexpr (D_ % 16 == 0 && RowLoad<scalar_t>::value) {
-        // The heads of a KV head together, its rows widened in registers.
+        // The heads of a KV head together, its rows widened in registers
+        // (pass 1 asked for these values already: nothing to ask for here).
         constexpr int64_t HM = kRowHeads<D_>;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
-          if (next != nullptr) prefetch_share(next, n * row_bytes, hk, Hkv);
           for (int64_t g0 = 0; g0 < G; g0 += HM) {
             const int64_t h = hk * G + g0;
             add_weighted_rows_heads<D_>(out.acc + h * D, pb + h * PT, PT, vb + hk * s_head, s_tok, n,
