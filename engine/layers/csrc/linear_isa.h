@@ -409,10 +409,19 @@ inline __m512 dot_pair(__m512 acc, __m512i w, const uint32_t* x) {
 
 // Adds kps pairs of NP panels (panel n's first at w + n * wbytes) times x's
 // pairs from xk (a tile's, as above) to R rows' sums, pairs in k order: the
-// one loop of BF16 and BF16Blocks, so both give the same bits.
-template <int R, int NP>
-inline void dot_pairs(__m512 (&a)[NP][R], const uint8_t* w, int64_t wbytes, const uint32_t* xk, int64_t kps) {
+// one loop of BF16 and BF16Blocks, so both give the same bits.  PREFETCH:
+// beside pair kp, ask for pair kp of the NP panels a later call reads (the
+// first at `ahead`, laid out as these), so that they come into L2 while this
+// row tile computes.  The first row tile of a panel otherwise waited on
+// memory: a model's weights stream from it every step.  Zen 4, 32 rows, the
+// two alternating in one process: the 576 x 49,152 head 5.0-5.1 against
+// 5.7-5.9 ms, a 576 x 3,072 projection 7-10% faster.
+template <int R, int NP, bool PREFETCH = false>
+inline void dot_pairs(__m512 (&a)[NP][R], const uint8_t* w, int64_t wbytes, const uint32_t* xk, int64_t kps,
+                      const uint8_t* ahead = nullptr) {
   for (int64_t kp = 0; kp < kps; ++kp) {
+    if constexpr (PREFETCH)
+      for (int n = 0; n < NP; ++n) __builtin_prefetch(ahead + n * wbytes + kp * BF_PAIR_BYTES, 0, 2);
     __m512i wk[NP];
     for (int n = 0; n < NP; ++n) wk[n] = _mm512_loadu_si512(w + n * wbytes + kp * BF_PAIR_BYTES);
     for (int r = 0; r < R; ++r)
@@ -425,11 +434,14 @@ struct BF16 {
   // x: a tile of pairs as above, R <= BF_TILE_ROWS of its rows used.
   template <int R, int NP>
   static void run(const uint8_t* p, int64_t pbytes, int64_t K, const float* x, int64_t, const float*, int64_t,
-                  float* tile, const uint8_t*) {
+                  float* tile, const uint8_t* ahead) {
     __m512 a[NP][R];
     for (int n = 0; n < NP; ++n)
       for (int r = 0; r < R; ++r) a[n][r] = _mm512_setzero_ps();
-    dot_pairs(a, p, pbytes, reinterpret_cast<const uint32_t*>(x), K / 2);
+    if (ahead != nullptr)
+      dot_pairs<R, NP, true>(a, p, pbytes, reinterpret_cast<const uint32_t*>(x), K / 2, ahead);
+    else
+      dot_pairs(a, p, pbytes, reinterpret_cast<const uint32_t*>(x), K / 2);
     for (int n = 0; n < NP; ++n)
       for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, a[n][r]);
   }
@@ -789,8 +801,11 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
       const int64_t pn = min64(NP_BF, np - n);
       for (int64_t m = 0; m < rows; m += MR) {
         const int64_t r = min64(MR, rows - m);
+        // The first row tile of several asks for the next two panels (past the
+        // last: the next call's, which follow in memory; a prefetch never faults).
         if (pn == NP_BF)
-          run_rows<Format, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+          run_rows<Format, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile,
+                                      m == 0 && rows > MR ? p + (n + NP_BF) * pbytes : nullptr);
         else
           run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
         for (int64_t j = 0; j < pn; ++j)
@@ -1705,7 +1720,9 @@ void bf16_silu_rows(const void* panels, int64_t pbytes, int64_t up_bytes, int64_
     const int64_t width = min64(NR, cols - n * NR);
     for (int64_t m = 0; m < rows; m += MR) {
       const int64_t r = min64(MR, rows - m);
-      run_rows<Format, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+      // The first row tile of several asks for the next panel's gate and up.
+      run_rows<Format, MR, 2>(p + n * pbytes, up_bytes, K, x + m * ldx, ldx, nullptr, 0, r, tile,
+                              m == 0 && rows > MR ? p + (n + 1) * pbytes : nullptr);
       for (int64_t i = 0; i < r; ++i) {
         silu_mul_panel(tile + i * NR, tile + (r + i) * NR, act);
         std::memcpy(y + (m + i) * ldy + col0 + n * NR, act, width * sizeof(float));
