@@ -8,6 +8,11 @@ and medians reported, since the machines are shared and noisy.
     python -m benchmarks.step_profile --dtypes float32,float32/bfloat16 --batch 32   # dtype/KV cache dtype
     python -m benchmarks.step_profile --dtypes float32/bfloat16,float32/bfloat16+bfloat16  # --decode-dtype
 
+A decode step runs every layer in one kernel call (the decode stack,
+engine/models/decode_stack.py), timed whole as "forward"; --layer-parts
+times the projections and attention inside it instead, on the Python layer
+loop (the path of steps with prompt tokens), whose calls cost more.
+
 An AVX2-only machine's step on a CPU with AVX-512 (its linear kernels and
 its attention build): SPLITSERVE_LINEAR_ISA=avx2 SPLITSERVE_ATTENTION_ISA=avx2
 python -m benchmarks.step_profile --dtypes float32/float16 --batch 32
@@ -64,8 +69,9 @@ class Clock:
         setattr(obj, attr, timed)
 
 
-def instrument(llm: LLM, clock: Clock) -> None:
-    """Time the engine's parts by wrapping them (nested parts subtract later)."""
+def instrument(llm: LLM, clock: Clock, layer_parts: bool) -> None:
+    """Time the engine's parts by wrapping them (nested parts subtract later);
+    layer_parts: the projections and attention too, on the Python layer loop."""
     eng = llm.engine
     runner = eng.runner
     model = runner.model
@@ -77,7 +83,9 @@ def instrument(llm: LLM, clock: Clock) -> None:
     clock.wrap(eng, "_output", "detokenize")
     import engine.model_runner as mr
     clock.wrap(mr, "sample", "sample")
-    attn = runner.attn
+    if not layer_parts:
+        return
+    attn = runner.attn  # wrapped below: not the CPU kernel's paged_attention, so no decode stack
 
     def timed_attn(*args: Any, **kwargs: Any) -> Any:
         with clock.part("attention"):
@@ -92,7 +100,8 @@ def instrument(llm: LLM, clock: Clock) -> None:
                     clock.wrap(mod, method, "projections")
 
 
-def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int, cpu_time: bool) -> None:
+def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int, cpu_time: bool,
+        layer_parts: bool) -> None:
     import torch
 
     now = time.thread_time if cpu_time else time.perf_counter
@@ -104,7 +113,7 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
         llm = LLM(dtype=model_dtype, num_threads=threads, max_num_seqs=max(batch, 1),
                   kv_cache_dtype=kv or "auto", decode_dtype=decode or "auto")
         clock = Clock(now)
-        instrument(llm, clock)
+        instrument(llm, clock, layer_parts)
         llms[dt] = (llm, clock)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -144,6 +153,10 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
         other = med["forward"] - med.get("projections", 0) - med.get("attention", 0)
         rest = med["total"] - sum(med.get(k, 0) for k in ("schedule", "prepare", "forward", "head", "sample",
                                                           "update", "detokenize"))
+        if not layer_parts:
+            print(f"{dt}: step unaccounted (engine python) {rest:.2f} ms; {1e3 / med['total']:.1f} steps/s "
+                  "(the layers in one call: --layer-parts splits them, on the Python loop)")
+            continue
         print(f"{dt}: forward other (norms, rope, embed, python) {other:.2f} ms; "
               f"step unaccounted (engine python) {rest:.2f} ms; {1e3 / med['total']:.1f} steps/s")
 
@@ -159,10 +172,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the thread's CPU time, not wall time (needs --threads 1)")
+    ap.add_argument("--layer-parts", action="store_true",
+                    help="time the projections and attention inside the forward (on the Python layer loop, "
+                         "not the decode stack)")
     a = ap.parse_args()
     if a.cpu_time and a.threads != 1:
         ap.error("--cpu-time: needs --threads 1 (other threads' work would not be counted)")
-    run(a.dtypes.split(","), a.batch, a.prompt_len, a.steps, a.threads, a.cpu_time)
+    run(a.dtypes.split(","), a.batch, a.prompt_len, a.steps, a.threads, a.cpu_time, a.layer_parts)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_attention_cpu.cpp"
 # The linear kernels: the torch-facing file and one file per instruction set.
-LINEAR_SOURCES = [CSRC / "linear_cpu.cpp",
+LINEAR_SOURCES = [CSRC / "linear_cpu.cpp", CSRC / "decode_stack.cpp",
                   *(CSRC / f"linear_isa_{isa}.cpp"
                     for isa in ("scalar", "avx2", "avx512", "avx512bf16", "avx512bf16q4", "avx512vnni",
                                 "amx"))]

@@ -81,6 +81,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,6 +92,12 @@ from torch import nn
 # the 576 x 49,152 head: 8-bit 1.7-3.4 ms against the panels' 3.4-6.2 ms at
 # 4-12 rows; from 14 rows the panels are faster (3.8 against 4.0 ms).
 Q8_MAX_ROWS = 12
+
+# How a layer runs the rows that are not prompt tokens (PackedLinear.decode_path),
+# numbered as the CPU kernels' DecodeStack (csrc/decode_stack.cpp) takes them:
+# the exact kernels on its own weights, the bfloat16 panels (or the blocks they
+# were rounded from), the blocks with bfloat16 inputs, the blocks with int8 inputs.
+EXACT, BF16_WEIGHTS, BF16_ROWS, INT8 = range(4)
 
 
 def _panel_rows(weight: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
@@ -430,11 +437,28 @@ class PackedLinear(nn.Module):
         (enable_bf16 and enable_bf16_weights): one call serves a whole step."""
         return self.bf16_prompts and self.bf16_weights
 
+    def decode_path(self) -> int:
+        """Which kernels run the rows that are not prompt tokens: EXACT,
+        BF16_WEIGHTS (enable_bf16_weights), BF16_ROWS (enable_bf16_decodes, a
+        layer of blocks) or INT8 (enable_int8, a layer of blocks)."""
+        if self.bf16_weights:
+            return BF16_WEIGHTS
+        if self.bf16_decodes:
+            return BF16_ROWS
+        return INT8 if self.int8 else EXACT
+
+    def decode_projection(self) -> Any:
+        """This layer's decode path as the kernels' DecodeStack runs it
+        (kernel.DecodeProjection): the weights it reads, held by reference."""
+        return self.kernel.DecodeProjection(self.decode_path(), self.out_features, self.in_features,
+                                            self.panels, self.q4, self.q8, self.bf16, self.bias, Q8_MAX_ROWS)
+
     def _bind_fused_inputs(self) -> FusedInputs | None:
         """forward_normed's and forward_silu's kernels, bound once, on the
         bfloat16 decode paths only (None elsewhere)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
-        if self.bf16_weights and self.bf16 is not None:
+        path = self.decode_path()
+        if path == BF16_WEIGHTS and self.bf16 is not None:
             # The bfloat16 panels (or tiles or pairs made from the 4- or 8-bit blocks, few rows):
             # forward's path.
             panels, blocks = self.bf16, self._tile_blocks
@@ -443,7 +467,7 @@ class PackedLinear(nn.Module):
             return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, blocks, n, w, eps, res, bias),
                     lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, blocks, n, bias), gated)
         blocks = self._tile_blocks
-        if not self.bf16_decodes or blocks is None:
+        if path != BF16_ROWS or blocks is None:
             return None
         return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),
                 lambda gate_up: kernel.bf16_rows_silu_linear(gate_up, blocks, n, bias), None)
@@ -488,20 +512,21 @@ class PackedLinear(nn.Module):
         of an 11 ms step (Zen 3, engine steps interleaved in one process)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
         blocks: torch.Tensor | None
-        if self.bf16_weights and self._tile_blocks is not None:
+        path = self.decode_path()
+        if path == BF16_WEIGHTS and self._tile_blocks is not None:
             # The panels' bits, made from the 4- or 8-bit blocks (few rows).
             panels, tiles, fn = self.bf16, self._tile_blocks, self._blocks_linear()
             return (lambda x: fn(x, panels, tiles, n)) if bias is None else \
                 (lambda x: fn(x, panels, tiles, n, bias))
-        if self.bf16_weights:
+        if path == BF16_WEIGHTS:
             fn, blocks = kernel.bf16_linear, self.bf16
-        elif self.bf16_decodes and self.q4 is not None:
+        elif path == BF16_ROWS and self.q4 is not None:
             fn, blocks = kernel.q4bf16_linear, self.q4
-        elif self.bf16_decodes:
+        elif path == BF16_ROWS:
             fn, blocks = kernel.q8bf16_linear, self.q8
-        elif self.int8 and self.q4 is not None:
+        elif path == INT8 and self.q4 is not None:
             fn, blocks = kernel.q4i8_linear, self.q4
-        elif self.int8:
+        elif path == INT8:
             fn, blocks = kernel.q8i8_linear, self.q8
         elif self.q4 is not None:
             fn, blocks = kernel.q4_linear, self.q4

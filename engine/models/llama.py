@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionFn, AttentionMetadata, write_kv
 from engine.layers.packed_linear import PackedLinear, PromptRows, q4_blocks
+from engine.models import decode_stack
 from engine.models.int4 import Int4Weight, exact_blocks, pack_blocks
 from engine.models.spec import LlamaSpec
 
@@ -263,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
             self.local_inv_freq = None if spec.local_rope_theta is None else inv_freq(
                 replace(spec, rope_theta=spec.local_rope_theta, rope_scaling=None))
         self.rope_tables = RopeTable()
+        # A decode step's pass through every layer in one kernel call (decode_stack.py),
+        # built at the first such step: None until then, or after the layers change.
+        self._decode_stack: decode_stack.DecodeStack | None = None
+        self._decode_stack_built = False
 
     def rope(self, inv: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,12 +288,31 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope(self.inv_freq, positions, x.dtype)
         local = rope if self.local_inv_freq is None else self.rope(self.local_inv_freq, positions, x.dtype)
-        for layer in self.layers:
-            cos, sin = local if cast(LlamaLayer, layer).window is not None else rope
-            x = layer.forward(x, cos, sin, kv_cache, meta, attn)
+        stack = self._stack(kv_cache)
+        if stack is not None and stack.runs(x, meta, attn, kv_cache):
+            x = stack.forward(x, *rope, kv_cache, meta)
+        else:
+            for layer in self.layers:
+                cos, sin = local if cast(LlamaLayer, layer).window is not None else rope
+                x = layer.forward(x, cos, sin, kv_cache, meta, attn)
         if self.fused is not None:
             return self.fused.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
+
+    def _stack(self, kv_cache: torch.Tensor) -> decode_stack.DecodeStack | None:
+        """The decode stack, built once for the packed kernels (None where it
+        does not cover this model), again when a layer's submodules change."""
+        if self.fused is None:
+            return None
+        held = self._decode_stack
+        if not self._decode_stack_built or (held is not None and not held.current(self.layers)):
+            self._decode_stack = decode_stack.build(self, kv_cache)
+            self._decode_stack_built = True
+        return self._decode_stack
+
+    def _layers_changed(self) -> None:
+        """The projections' paths or weights changed: the decode stack is built again."""
+        self._decode_stack, self._decode_stack_built = None, False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -307,6 +331,7 @@ class LlamaForCausalLM(nn.Module):
         4-bit blocks under "path#q4").  `int4`: layers' weights as the checkpoint
         quantized them (by linear path); with int4_only those layers hold their
         4-bit blocks alone (their float weights were never loaded)."""
+        self._layers_changed()
         for path in self.linear_names():
             parent_path, _, name = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
@@ -332,6 +357,7 @@ class LlamaForCausalLM(nn.Module):
         """prefill_dtype=bfloat16: every layer's projections (not the head)
         also hold bfloat16 panels and run the rows the returned PromptRows
         (`rows`, or new) names, set per step, on them."""
+        self._layers_changed()
         rows = rows if rows is not None else PromptRows()
         for path in self.linear_names():
             layer = self.get_submodule(path)
@@ -349,6 +375,7 @@ class LlamaForCausalLM(nn.Module):
 
     def drop_unread_panels(self) -> None:
         """Free each packed layer's panels that no row reads (PackedLinear.drop_unread)."""
+        self._layers_changed()
         for path in self.linear_names():
             layer = self.get_submodule(path)
             if isinstance(layer, PackedLinear):
@@ -358,6 +385,7 @@ class LlamaForCausalLM(nn.Module):
         """bfloat16 panels packed before (by linear path, as bf16_panels gives
         them): each packed layer takes its own where they fit, and runs on
         them if it is asked to hold bfloat16 panels (drop_unread frees the rest)."""
+        self._layers_changed()
         for path in self.linear_names():
             layer = self.get_submodule(path)
             if isinstance(layer, PackedLinear) and path in panels:
@@ -378,6 +406,7 @@ class LlamaForCausalLM(nn.Module):
         and a quantized head (4- or 8-bit) those `head_rows` does not mark;
         bfloat16-weights: every packed projection and the head on bfloat16
         panels (PackedLinear.enable_int8, enable_bf16_decodes, enable_bf16_weights)."""
+        self._layers_changed()
         enable = {"int8": "enable_int8", "bfloat16": "enable_bf16_decodes",
                   "bfloat16-weights": "enable_bf16_weights"}[decode_dtype]
         for path in self.linear_names():

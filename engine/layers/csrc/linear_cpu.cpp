@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "linear_isa_api.h"
+#include "linear_ops.h"
 
 using namespace splitserve_linear;
 
@@ -708,6 +709,10 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const at::Tensor& panels, con
               ": blocks must be ", BITS, "-bit");
   return bf16_weights_linear(name, x, panels, &blocks, N, bias, out);
 }
+template at::Tensor bf16_blocks_linear<4>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                        const OptTensor&, const OptTensor&);
+template at::Tensor bf16_blocks_linear<8>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                        const OptTensor&, const OptTensor&);
 
 // bf16_q4_linear (blocks given) or bf16_linear of rms_norm(x, weight, eps,
 // residual), or of silu_and_mul(gate_up): each row normed (or gated) as it is
@@ -1132,4 +1137,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_store_kv", &rope_and_store_kv, nogil(),
         "rope on q and k, k and v into the paged cache; returns q, k");
   m.def("silu_and_mul", &silu_and_mul, nogil(), "silu(gate) * up");
+  def_decode_stack(m);
 }

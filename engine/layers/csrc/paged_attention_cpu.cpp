@@ -1650,6 +1650,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("query_lens"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
         py::arg("bf16_rows") = std::vector<int64_t>{});
+  // For the linear module's DecodeStack, which calls the decode kernel from C++ (no GIL, no Python).
+  m.def("decode_attention_capsule", [] {
+    return py::capsule(reinterpret_cast<void*>(&paged_decode_attention), "splitserve.paged_decode_attention");
+  }, "paged_decode_attention as a C function pointer");
   // Whether bf16_rows can be given: this build has AVX512-BF16.
   m.def("prefill_bf16_supported", [] { return prefill::HAS_BF16; });
   m.def("prefill_amx", [] {

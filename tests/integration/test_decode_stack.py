@@ -1,0 +1,135 @@
+"""The decode stack (engine/models/decode_stack.py, csrc/decode_stack.cpp):
+a step of generated tokens runs every layer in one kernel call.  On the real
+model, on every decode path this CPU has and with float32, float16 and fp8
+caches, it gives the Python layer loop's logits bit for bit, batched, and it
+is what ran those steps (no layer's Python forward did); steps with prompt
+tokens keep the loop; a model the stack does not cover keeps it too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models import decode_stack
+from engine.models.llama import LlamaLayer
+from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
+
+from .test_decode_quantized import needs_bf16
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+           "A list of the planets, in order from the sun:"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# (decode_dtype, prefill_dtype, kv_cache_dtype): each decode path (the exact
+# 4- and 8-bit blocks and float32 panels; int8; bfloat16 inputs; bfloat16
+# panels, prompt rows on them too) and each kind of cache.
+CASES = [("auto", "auto", "auto"), ("int8", "auto", "fp8_e4m3"),
+         pytest.param("bfloat16", "auto", "float16", marks=needs_q4bf16),
+         pytest.param("bfloat16-weights", "bfloat16", "bfloat16", marks=needs_bf16)]
+
+
+@contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Counts the stack's steps and the Python loop's layer calls by the rows they ran."""
+    counts = {"stack": 0, "layer_decode_rows": 0, "layer_calls": 0}
+    stack_forward, layer_forward = decode_stack.DecodeStack.forward, LlamaLayer.forward
+
+    def stack(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["stack"] += 1
+        return stack_forward(self, x, *args, **kwargs)
+
+    def layer(self, x, cos, sin, kv_cache, meta, attn):  # type: ignore[no-untyped-def]
+        counts["layer_calls"] += 1
+        counts["layer_decode_rows"] += meta.num_decodes
+        return layer_forward(self, x, cos, sin, kv_cache, meta, attn)
+
+    decode_stack.DecodeStack.forward = stack  # type: ignore[method-assign]
+    LlamaLayer.forward = layer  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        decode_stack.DecodeStack.forward = stack_forward  # type: ignore[method-assign]
+        LlamaLayer.forward = layer_forward  # type: ignore[method-assign]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of PROMPTS, batched, and every step's logits as the runner made them."""
+    runner = llm.engine.runner
+    inner = runner.forward_logits
+    logits: list[torch.Tensor] = []
+
+    def recording(seqs):  # type: ignore[no-untyped-def]
+        out, prompt = inner(seqs)
+        logits.append(out.clone())
+        return out, prompt
+
+    runner.forward_logits = recording  # type: ignore[method-assign]
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        del runner.forward_logits
+    return [o.outputs[0].token_ids for o in outs], logits
+
+
+def without_stack(llm: LLM) -> None:
+    model = llm.engine.runner.model
+    model._decode_stack, model._decode_stack_built = None, True
+
+
+@pytest.mark.parametrize(("decodes", "prefill", "kv"), CASES)
+def test_the_stack_gives_the_layer_loops_logits(decodes: str, prefill: str, kv: str) -> None:
+    llm = LLM(dtype="float32", num_blocks=64, max_model_len=256, num_threads=2, enable_prefix_caching=False,
+              decode_dtype=decodes, prefill_dtype=prefill, kv_cache_dtype=kv)
+    with counting() as on:
+        tokens, logits = run(llm)
+    layers = len(llm.engine.runner.model.layers)
+    # Every step after the prompts' is generated tokens alone: the stack ran them, no layer loop did.
+    assert on["stack"] == GREEDY.max_tokens - 1
+    assert on["layer_decode_rows"] == 0 and on["layer_calls"] == layers  # the prompts' step
+    without_stack(llm)
+    with counting() as off:
+        tokens_loop, logits_loop = run(llm)
+    assert off["stack"] == 0 and off["layer_decode_rows"] == layers * len(PROMPTS) * (GREEDY.max_tokens - 1)
+    assert tokens == tokens_loop
+    assert len(logits) == len(logits_loop)
+    for i, (a, b) in enumerate(zip(logits, logits_loop, strict=True)):
+        assert torch.equal(a, b), f"step {i}: the stack's logits differ from the loop's"
+
+
+def test_steps_with_prompt_tokens_keep_the_loop() -> None:
+    """A prompt chunk beside running decodes: the loop runs that step (rows of both kinds)."""
+    llm = LLM(dtype="float32", num_blocks=64, max_model_len=256, num_threads=2, enable_prefix_caching=False,
+              max_num_batched_tokens=16)
+    long_prompt = " ".join(["the harbour wall"] * 20)
+    with counting() as counts:
+        llm.generate(["Hi there", long_prompt], GREEDY)
+    assert counts["layer_decode_rows"] > 0  # a step mixed the first request's decodes with prompt chunks
+    assert counts["stack"] > 0
+
+
+def test_a_model_the_stack_does_not_cover_keeps_the_loop() -> None:
+    """A layer's projection swapped for one that is not packed (as a LoRA wrapper
+    is): the stack is built again, finds it, and the loop runs every step."""
+    llm = LLM(dtype="float32", num_blocks=64, max_model_len=256, num_threads=2, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    tokens, _ = run(llm)
+    assert model._decode_stack is not None
+    layer = model.layers[3]
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner.forward(x)
+
+    layer.o_proj = Wrapped(layer.o_proj)
+    with counting() as counts:
+        wrapped_tokens, _ = run(llm)
+    assert counts["stack"] == 0 and counts["layer_decode_rows"] > 0
+    assert model._decode_stack is None
+    assert wrapped_tokens == tokens
