@@ -5,8 +5,8 @@ in the CPU kernels' DecodeStack (csrc/decode_stack.cpp): the fused layer's
 ops (LlamaLayer._forward_fused) in its order, through the same kernels, so
 the same bits, without the interpreter between them and without the GIL.
 Any other step, and any model the stack does not cover (projections wrapped
-for LoRA, per-head q/k norms, another attention backend), keeps the Python
-loop.
+for LoRA, another attention backend; Gemma's norms and soft caps are not
+fused at all), keeps the Python loop.
 """
 
 from __future__ import annotations
@@ -59,19 +59,21 @@ def build(model: Any, kv_cache: torch.Tensor) -> DecodeStack | None:
     spec, kernel, attention = model.spec, model.fused, load_cpu_kernel()
     if kernel is None or attention is None or kv_cache.device.type != "cpu":
         return None
-    if spec.qk_norm or spec.attn_softcap is not None or model.local_inv_freq is not None:
-        return None  # per-head norms, soft-capped scores, a second rope: the loop's
+    if spec.attn_softcap is not None or model.local_inv_freq is not None:
+        return None  # soft-capped scores, a second rope: the loop's
     parts = [layer._parts if layer._parts is not None else layer._gather_parts() for layer in model.layers]
     layers = []
     prompt_rows: list[PromptRows] = []
     for layer, (norm1, norm2, qkv, o, gate_up, down, q_norm, k_norm) in zip(model.layers, parts, strict=True):
         projections = (qkv, o, gate_up, down)
-        if not all(isinstance(p, PackedLinear) for p in projections) or (q_norm, k_norm) != (None, None):
+        if not all(isinstance(p, PackedLinear) for p in projections) or (q_norm is None) != (k_norm is None):
             return None
         prompt_rows += [p.prompt_rows for p in projections if p.prompt_rows is not None]
         layers.append(kernel.DecodeLayer(
             layer.layer_idx, norm1.weight.detach(), norm1.eps, norm2.weight.detach(), norm2.eps,
-            *(p.decode_projection() for p in projections), layer.window or 0))
+            *(p.decode_projection() for p in projections), layer.window or 0,
+            *((None, 0.0, None, 0.0) if q_norm is None else
+              (q_norm.weight.detach(), q_norm.eps, k_norm.weight.detach(), k_norm.eps))))
     rows = prompt_rows[0] if prompt_rows else None
     if any(r is not rows for r in prompt_rows):  # each projection would take other rows as prompt tokens
         return None

@@ -55,8 +55,9 @@ def counting() -> Iterator[dict[str, int]]:
         LlamaLayer.forward = layer_forward  # type: ignore[method-assign]
 
 
-def run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of PROMPTS, batched, and every step's logits as the runner made them."""
+def run(llm: LLM, prompts: list[str] | list[list[int]] = PROMPTS,
+        ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of the prompts, batched, and every step's logits as the runner made them."""
     runner = llm.engine.runner
     inner = runner.forward_logits
     logits: list[torch.Tensor] = []
@@ -68,15 +69,23 @@ def run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
 
     runner.forward_logits = recording  # type: ignore[method-assign]
     try:
-        outs = llm.generate(PROMPTS, GREEDY)
+        outs = llm.generate(prompts, GREEDY)
     finally:
         del runner.forward_logits
     return [o.outputs[0].token_ids for o in outs], logits
 
 
-def without_stack(llm: LLM) -> None:
+def use_stack(llm: LLM, on: bool) -> None:
+    """The stack built again at the next decode step (on), or the loop for every step."""
     model = llm.engine.runner.model
-    model._decode_stack, model._decode_stack_built = None, True
+    model._layers_changed()
+    model._decode_stack_built = not on
+
+
+def assert_same_steps(stacked: list[torch.Tensor], looped: list[torch.Tensor], what: str) -> None:
+    assert len(stacked) == len(looped)
+    for i, (a, b) in enumerate(zip(stacked, looped, strict=True)):
+        assert torch.equal(a, b), f"{what}, step {i}: the stack's logits differ from the loop's"
 
 
 @pytest.mark.parametrize(("decodes", "prefill", "kv"), CASES)
@@ -89,14 +98,12 @@ def test_the_stack_gives_the_layer_loops_logits(decodes: str, prefill: str, kv: 
     # Every step after the prompts' is generated tokens alone: the stack ran them, no layer loop did.
     assert on["stack"] == GREEDY.max_tokens - 1
     assert on["layer_decode_rows"] == 0 and on["layer_calls"] == layers  # the prompts' step
-    without_stack(llm)
+    use_stack(llm, False)
     with counting() as off:
         tokens_loop, logits_loop = run(llm)
     assert off["stack"] == 0 and off["layer_decode_rows"] == layers * len(PROMPTS) * (GREEDY.max_tokens - 1)
     assert tokens == tokens_loop
-    assert len(logits) == len(logits_loop)
-    for i, (a, b) in enumerate(zip(logits, logits_loop, strict=True)):
-        assert torch.equal(a, b), f"step {i}: the stack's logits differ from the loop's"
+    assert_same_steps(logits, logits_loop, f"{decodes}, {kv} cache")
 
 
 def test_steps_with_prompt_tokens_keep_the_loop() -> None:
@@ -133,3 +140,26 @@ def test_a_model_the_stack_does_not_cover_keeps_the_loop() -> None:
     assert counts["stack"] == 0 and counts["layer_decode_rows"] > 0
     assert model._decode_stack is None
     assert wrapped_tokens == tokens
+
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_bias", "mistral_window"])
+def test_the_stack_covers_biases_head_norms_and_windows(kind, tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Tiny random models of the families whose layers differ from SmolLM2's
+    (qkv biases, every projection biased, per-head q and k norms, a sliding
+    window shorter than the prompt): the stack runs their decode steps and
+    gives the loop's logits bit for bit."""
+    from .test_model_families import make_model
+
+    llm = LLM(model=str(make_model(kind, tmp_path / kind, model_dir)), dtype="float32", num_blocks=64,
+              num_threads=2, enable_prefix_caching=False)
+    prompts = [list(range(1000, 1090)), list(range(2000, 2030))]  # 90 tokens: past mistral_window's 24
+    with counting() as on:
+        tokens, logits = run(llm, prompts)
+    assert on["stack"] == GREEDY.max_tokens - 1 and on["layer_decode_rows"] == 0
+    use_stack(llm, False)
+    with counting() as off:
+        tokens_loop, logits_loop = run(llm, prompts)
+    assert off["stack"] == 0
+    assert tokens == tokens_loop
+    assert_same_steps(logits, logits_loop, kind)

@@ -1,7 +1,8 @@
 // A decode step through a stack of Llama blocks in one call.
 //
 // Every row of such a step is one sequence's generated token.  Per layer:
-// the input norm inside the QKV projection, rope and the cache store, the
+// the input norm inside the QKV projection, per-head q and k norms where the
+// model has them, rope and the cache store, the
 // paged decode attention (the attention module's kernel, passed in as a
 // capsule), the output projection, the residual add and post-attention norm
 // inside the gate and up projection, SiLU, and the down projection added to
@@ -80,6 +81,8 @@ struct Layer {
   double eps1 = 0, eps2 = 0;
   Projection qkv, o, gate_up, down;
   int64_t window = 0;  // > 0: sliding-window attention over this many positions
+  OptTensor q_norm, k_norm;  // per-head norms of q and k ahead of rope (Qwen3), or none
+  double q_eps = 0, k_eps = 0;
 };
 
 // paged_attention_cpu.cpp's paged_decode_attention.
@@ -111,6 +114,8 @@ class DecodeStack {
     const int64_t t = x.size(0);
     for (const Layer& l : layers_) {
       const at::Tensor qkv = l.qkv.normed(x, l.norm1, l.eps1, c10::nullopt);
+      if (l.q_norm) norm_heads(qkv, 0, num_heads_, *l.q_norm, l.q_eps);
+      if (l.k_norm) norm_heads(qkv, q_size_, num_kv_heads_, *l.k_norm, l.k_eps);
       const auto qk = rope_and_store_kv(qkv, cos, sin, kv_cache, l.index, slot_mapping, num_heads_, num_kv_heads_);
       at::Tensor o = attention_(std::get<0>(qk), kv_cache, l.index, block_tables, seq_lens, scale_ * kv_scale_,
                                 l.window);
@@ -126,6 +131,13 @@ class DecodeStack {
   }
 
  private:
+  // Each of the n heads of qkv's columns from lo normed in place (a per-head RMSNorm).
+  void norm_heads(const at::Tensor& qkv, int64_t lo, int64_t n, const at::Tensor& w, double eps) const {
+    const int64_t t = qkv.size(0), d = q_size_ / num_heads_;
+    at::Tensor part = qkv.narrow(1, lo, n * d);
+    part.copy_(rms_norm(part.reshape({t, n, d}), w, eps, c10::nullopt).view({t, -1}));
+  }
+
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, q_size_;
   double scale_, kv_scale_;
@@ -150,12 +162,16 @@ void def_decode_stack(py::module_& m) {
            py::arg("bf16"), py::arg("bias"), py::arg("q8_max_rows"));
   py::class_<Layer>(m, "DecodeLayer", "one Llama block of a DecodeStack")
       .def(py::init([](int64_t index, at::Tensor norm1, double eps1, at::Tensor norm2, double eps2, Projection qkv,
-                       Projection o, Projection gate_up, Projection down, int64_t window) {
+                       Projection o, Projection gate_up, Projection down, int64_t window, OptTensor q_norm,
+                       double q_eps, OptTensor k_norm, double k_eps) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayer: q and k norms come together");
              return Layer{index, std::move(norm1), std::move(norm2), eps1, eps2, std::move(qkv), std::move(o),
-                          std::move(gate_up), std::move(down), window};
+                          std::move(gate_up), std::move(down), window, std::move(q_norm), std::move(k_norm),
+                          q_eps, k_eps};
            }),
            py::arg("index"), py::arg("norm1"), py::arg("eps1"), py::arg("norm2"), py::arg("eps2"), py::arg("qkv"),
-           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("window"));
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("window"), py::arg("q_norm") = py::none(),
+           py::arg("q_eps") = 0.0, py::arg("k_norm") = py::none(), py::arg("k_eps") = 0.0);
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through every layer in one call, without the GIL")
       .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double, double, const py::capsule&>(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
