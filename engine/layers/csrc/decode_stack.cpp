@@ -53,6 +53,7 @@ struct Projection {
       default:
         if (q4) return q4_linear(x, *q4, n, bias, c10::nullopt);
         if (q8 && x.numel() <= q8_max_rows * k) return q8_linear(x, *q8, n, bias, c10::nullopt);
+        TORCH_CHECK(panels, "DecodeStack: a layer of 8-bit blocks without float32 panels for ", x.size(0), " rows");
         return packed_linear(x, *panels, n, bias, c10::nullopt);
     }
   }
@@ -73,6 +74,11 @@ struct Projection {
 
   // Whether PackedLinear.forward_normed_silu gates in its own call (else it returns None).
   bool gates_itself() const { return path == kBf16Weights && !bias.has_value(); }
+
+  // PackedLinear.forward_normed_silu where gates_itself(): silu_and_mul(normed(x, ...)) in one call.
+  at::Tensor normed_gated(const at::Tensor& x, const at::Tensor& w, double eps, const OptTensor& residual) const {
+    return bf16_norm_silu_linear(x, *bf16, blocks(), n, w, eps, residual);
+  }
 };
 
 struct Layer {
@@ -123,7 +129,7 @@ class DecodeStack {
       o = l.o(o.reshape({t, q_size_}));
       // x += o inside the norm (its residual), then the MLP's output added to x.
       if (l.gate_up.gates_itself())
-        x.add_(l.down(bf16_norm_silu_linear(o, *l.gate_up.bf16, l.gate_up.blocks(), l.gate_up.n, l.norm2, l.eps2, x)));
+        x.add_(l.down(l.gate_up.normed_gated(o, l.norm2, l.eps2, x)));
       else
         x.add_(l.down.gated(l.gate_up.normed(o, l.norm2, l.eps2, x)));
     }
