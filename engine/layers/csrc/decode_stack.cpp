@@ -2,16 +2,16 @@
 //
 // Every row of such a step is one sequence's generated token.  Per layer:
 // the input norm inside the QKV projection, per-head q and k norms where the
-// model has them, rope and the cache store, the
-// paged decode attention (the attention module's kernel, passed in as a
-// capsule), the output projection, the residual add and post-attention norm
-// inside the gate and up projection, SiLU, and the down projection added to
-// the residual stream.  These are LlamaLayer._forward_fused's ops, in its
-// order, each through the same kernel with the same arguments, so the bits
-// are the same.  The Python loop made about ten calls a layer, and the
-// interpreter ran between them while the kernels' worker thread waited.
-// Here the GIL is released once for the whole pass, so a serving worker's
-// event loop runs beside it rather than in the gaps between kernels.
+// model has them, rope and the cache store, the paged decode attention (the
+// attention module's kernel, passed in as a capsule), the output projection,
+// the residual add and post-attention norm inside the gate and up
+// projection, SiLU, and the down projection added to the residual stream.
+// These are LlamaLayer._forward_fused's ops, in its order, each through the
+// same kernel with the same arguments, so the bits are the same.  The Python
+// loop made about ten calls a layer, and the interpreter ran between them
+// while the kernels' worker thread waited.  Here the GIL is released once
+// for the whole pass, so a serving worker's event loop runs beside it rather
+// than in the gaps between kernels.
 //
 // Which kernel a projection runs is PackedLinear's decode path
 // (engine/layers/packed_linear.py, decode_path); the Python side builds the
@@ -19,6 +19,7 @@
 // without prompt rows.
 #include "linear_ops.h"
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,7 +27,7 @@ namespace {
 
 namespace py = pybind11;
 
-// PackedLinear's decode paths (packed_linear.py, DECODE_PATHS).
+// PackedLinear's decode paths (packed_linear.py: EXACT, BF16_WEIGHTS, BF16_ROWS, INT8).
 enum Path : int64_t { kExact = 0, kBf16Weights = 1, kBf16Rows = 2, kInt8 = 3 };
 
 // One packed projection as a decode step runs it.
