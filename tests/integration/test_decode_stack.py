@@ -19,6 +19,7 @@ from engine.models.llama import LlamaLayer
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 from .test_decode_quantized import needs_bf16
+from .test_hf_parity import LogitRecorder
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "A list of the planets, in order from the sun:"]
@@ -55,24 +56,12 @@ def counting() -> Iterator[dict[str, int]]:
         LlamaLayer.forward = layer_forward  # type: ignore[method-assign]
 
 
-def run(llm: LLM, prompts: list[str] | list[list[int]] = PROMPTS,
+def run(llm: LLM, rec: LogitRecorder, prompts: list[str] | list[list[int]] = PROMPTS,
         ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of the prompts, batched, and every step's logits as the runner made them."""
-    runner = llm.engine.runner
-    inner = runner.forward_logits
-    logits: list[torch.Tensor] = []
-
-    def recording(seqs):  # type: ignore[no-untyped-def]
-        out, prompt = inner(seqs)
-        logits.append(out.clone())
-        return out, prompt
-
-    runner.forward_logits = recording  # type: ignore[method-assign]
-    try:
-        outs = llm.generate(prompts, GREEDY)
-    finally:
-        del runner.forward_logits
-    return [o.outputs[0].token_ids for o in outs], logits
+    """Greedy tokens of the prompts, batched, and each one's logits of every step (rec: llm's recorder)."""
+    outs = llm.generate(prompts, GREEDY)
+    return ([o.outputs[0].token_ids for o in outs],
+            [torch.stack(rec.logits[f"{o.request_id}-0"]) for o in outs])
 
 
 def use_stack(llm: LLM, on: bool) -> None:
@@ -83,24 +72,26 @@ def use_stack(llm: LLM, on: bool) -> None:
 
 
 def assert_same_steps(stacked: list[torch.Tensor], looped: list[torch.Tensor], what: str) -> None:
+    """Per prompt, every step's logits bit for bit."""
     assert len(stacked) == len(looped)
     for i, (a, b) in enumerate(zip(stacked, looped, strict=True)):
-        assert torch.equal(a, b), f"{what}, step {i}: the stack's logits differ from the loop's"
+        assert torch.equal(a, b), f"{what}, prompt {i}: the stack's logits differ from the loop's"
 
 
 @pytest.mark.parametrize(("decodes", "prefill", "kv"), CASES)
 def test_the_stack_gives_the_layer_loops_logits(decodes: str, prefill: str, kv: str) -> None:
     llm = LLM(dtype="float32", num_blocks=64, max_model_len=256, num_threads=2, enable_prefix_caching=False,
               decode_dtype=decodes, prefill_dtype=prefill, kv_cache_dtype=kv)
+    rec = LogitRecorder(llm)
     with counting() as on:
-        tokens, logits = run(llm)
+        tokens, logits = run(llm, rec)
     layers = len(llm.engine.runner.model.layers)
     # Every step after the prompts' is generated tokens alone: the stack ran them, no layer loop did.
     assert on["stack"] == GREEDY.max_tokens - 1
     assert on["layer_decode_rows"] == 0 and on["layer_calls"] == layers  # the prompts' step
     use_stack(llm, False)
     with counting() as off:
-        tokens_loop, logits_loop = run(llm)
+        tokens_loop, logits_loop = run(llm, rec)
     assert off["stack"] == 0 and off["layer_decode_rows"] == layers * len(PROMPTS) * (GREEDY.max_tokens - 1)
     assert tokens == tokens_loop
     assert_same_steps(logits, logits_loop, f"{decodes}, {kv} cache")
@@ -122,7 +113,7 @@ def test_a_model_the_stack_does_not_cover_keeps_the_loop() -> None:
     is): the stack is built again, finds it, and the loop runs every step."""
     llm = LLM(dtype="float32", num_blocks=64, max_model_len=256, num_threads=2, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    tokens, _ = run(llm)
+    tokens, _ = run(llm, LogitRecorder(llm))
     assert model._decode_stack is not None
     layer = model.layers[3]
 
@@ -136,7 +127,7 @@ def test_a_model_the_stack_does_not_cover_keeps_the_loop() -> None:
 
     layer.o_proj = Wrapped(layer.o_proj)
     with counting() as counts:
-        wrapped_tokens, _ = run(llm)
+        wrapped_tokens, _ = run(llm, LogitRecorder(llm))
     assert counts["stack"] == 0 and counts["layer_decode_rows"] > 0
     assert model._decode_stack is None
     assert wrapped_tokens == tokens
@@ -154,12 +145,13 @@ def test_the_stack_covers_biases_head_norms_and_windows(kind, tmp_path, model_di
     llm = LLM(model=str(make_model(kind, tmp_path / kind, model_dir)), dtype="float32", num_blocks=64,
               num_threads=2, enable_prefix_caching=False)
     prompts = [list(range(1000, 1090)), list(range(2000, 2030))]  # 90 tokens: past mistral_window's 24
+    rec = LogitRecorder(llm)
     with counting() as on:
-        tokens, logits = run(llm, prompts)
+        tokens, logits = run(llm, rec, prompts)
     assert on["stack"] == GREEDY.max_tokens - 1 and on["layer_decode_rows"] == 0
     use_stack(llm, False)
     with counting() as off:
-        tokens_loop, logits_loop = run(llm, prompts)
+        tokens_loop, logits_loop = run(llm, rec, prompts)
     assert off["stack"] == 0
     assert tokens == tokens_loop
     assert_same_steps(logits, logits_loop, kind)
