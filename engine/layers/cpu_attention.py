@@ -82,9 +82,15 @@ def build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | Non
         return None
 
 
+def attention_isa() -> str:
+    """Which attention build load_cpu_kernel loads: "native" (this CPU's
+    flags) or "avx2" (SPLITSERVE_ATTENTION_ISA=avx2, an AVX2 machine's)."""
+    return os.environ.get("SPLITSERVE_ATTENTION_ISA") or "native"
+
+
 @functools.cache
 def load_cpu_kernel() -> ModuleType | None:
-    isa = os.environ.get("SPLITSERVE_ATTENTION_ISA") or "native"
+    isa = attention_isa()
     if isa not in ATTENTION_ISAS:
         raise ValueError(f"SPLITSERVE_ATTENTION_ISA={isa}: not one of {', '.join(ATTENTION_ISAS)}")
     if isa == "avx2":

@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from engine.layers.attention import paged_attention
-from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.cpu_attention import attention_isa, load_cpu_kernel
 from engine.layers.cpu_features import has
 from engine.layers.packed_linear import leading_rows
 from tests.unit.test_triton_attention import LAYER, _make_step
 
-pytestmark = pytest.mark.skipif(
-    not has("avx512_bf16"), reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which bf16_rows need",
-)
+pytestmark = [
+    pytest.mark.skipif(not has("avx512_bf16"),
+                       reason="this CPU lacks AVX512-BF16 (lscpu: no avx512_bf16), which bf16_rows need"),
+    pytest.mark.skipif(attention_isa() == "avx2", reason="SPLITSERVE_ATTENTION_ISA=avx2: the attention is an "
+                                                         "AVX2 machine's build, without bf16_rows"),
+]
 
 SCALE = 0.125  # a power of two: q * SCALE rounded, then divided by it, is exact
 SEQS = [(5, 5), (64, 64), (65, 65), (200, 200), (33, 97), (1, 12), (130, 400), (2, 129)]

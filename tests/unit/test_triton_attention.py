@@ -300,6 +300,7 @@ def test_attention_isa_override_runs_the_avx2_build(fresh_cpu_kernel,  # type: i
 
     if "avx512f" not in cpuinfo()[1]:
         pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    monkeypatch.delenv("SPLITSERVE_ATTENTION_ISA", raising=False)  # a suite run whole under the override
     native = fresh_cpu_kernel()
     fresh_cpu_kernel.cache_clear()
     monkeypatch.setenv("SPLITSERVE_ATTENTION_ISA", "avx2")
