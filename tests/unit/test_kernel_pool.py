@@ -1,5 +1,6 @@
 """The CPU kernels' own thread pool (engine/layers/csrc/parallel_claim.h): the
-same bits as OpenMP, callers on several Python threads at once, and a fork."""
+same bits as OpenMP, callers on several Python threads at once, a fork, and a
+worker's share done by the caller when the worker is late."""
 
 from __future__ import annotations
 
@@ -91,6 +92,40 @@ def test_callers_on_several_threads_at_once_each_get_their_own_result(kernel) ->
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a caller hung"
     assert errors == []
+
+
+LATE_WORKER = """
+import os, sys, torch
+import engine
+from engine.layers.cpu_attention import load_linear_kernel
+from engine.layers.packed_linear import q4_blocks
+from tests.unit.test_linear_isa import q4_weight
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core: the worker runs when the caller waits
+k = load_linear_kernel()
+k.use_pool(True)
+w = q4_weight(3072, 576, torch.Generator().manual_seed(4))
+blocks = q4_blocks(w, k)
+xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (1, 3, 8)]
+torch.set_num_threads(1)  # inline: no pool
+want = [k.q4_linear(x, blocks, 3072) for x in xs]
+torch.set_num_threads(2)
+before = k.pool_stolen()
+for _ in range(50):
+    for x, y in zip(xs, want):
+        assert torch.equal(k.q4_linear(x, blocks, 3072), y), "a result changed"
+print(k.pool_stolen() - before)
+"""
+
+
+def test_a_late_workers_share_is_done_by_the_caller() -> None:
+    """The worker sleeps after each job (no spin) and shares one core with the
+    caller, so it wakes after the caller has run its own share: the caller
+    takes the worker's pieces too (pool_stolen counts them), with the bits of
+    one thread."""
+    env = dict(os.environ, SPLITSERVE_KERNEL_SPIN_US="0")
+    out = subprocess.run([sys.executable, "-c", LATE_WORKER], cwd=ROOT, env=env, check=True, timeout=300,
+                         capture_output=True, text=True)
+    assert int(out.stdout.split()[-1]) > 0, "no piece was taken from another thread's share"
 
 
 def child(conn, x, panels, want) -> None:  # type: ignore[no-untyped-def]

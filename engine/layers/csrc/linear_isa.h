@@ -1476,7 +1476,7 @@ SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx
 // sum s; the block folds d * s + (m - 128 d) * sum(x), and sum(x) is of the
 // rounded x, so the 128s cancel.  Pairs in k order, then the fold, for every
 // row count: a row's result never depends on its batch.
-constexpr int MR_BQ = 8;  // rows a tile: 16 sums and 16 accumulators with one panel
+constexpr int MR_BQ = 8;  // rows a tile: 8 sums and 8 accumulators
 // Column j's bytes 4j..4j+3 -> words (0x43, byte 4j + a), (0x43, byte 4j + b):
 // table [0] takes bytes 4j, 4j + 1, [1] bytes 4j + 2, 4j + 3; 64 picks the 0x43.
 struct PairIdx {
@@ -1495,70 +1495,54 @@ inline __m512i nibble_pairs(__m512i nibbles, __m512i idx, __m512i hi) {
   return _mm512_permutex2var_epi8(nibbles, idx, hi);
 }
 
-template <int R, int NP>
-void q4bf16_tile(const uint8_t* p, int64_t pbytes, int64_t K, const uint32_t* x, int64_t ldx, const float* sx,
-                 int64_t ldxs, float* tile) {
+// R rows times one panel, its blocks in order.
+template <int R>
+void q4bf16_tile(const uint8_t* p, int64_t K, const uint32_t* x, int64_t ldx, const float* sx, int64_t ldxs,
+                 float* tile) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(0x43);
   const __m512i idx01 = _mm512_load_si512(kPairIdx.v[0]), idx23 = _mm512_load_si512(kPairIdx.v[1]);
   const __m512 minus128 = _mm512_set1_ps(-128.0f);
   const int64_t KB = K / QB;
-  __m512 t[R][NP];
-  set_all(t, _mm512_setzero_ps());
+  __m512 t[R];
+  for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
-    __m512 s[R][NP];
-    set_all(s, _mm512_setzero_ps());
-    for (int n = 0; n < NP; ++n)
-      prefetch_block(p + n * pbytes + (kb + Q4_AHEAD) * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);
+    const uint8_t* blk = p + kb * Q4_BLOCK_BYTES;
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    prefetch_block(blk + Q4_AHEAD * Q4_BLOCK_BYTES, Q4_BLOCK_BYTES);  // past the panel's end, the next one's
     for (int c = 0; c < QB / 8; ++c) {
       const uint32_t* xc = x + kb * (QB / 2) + 4 * c;
-      for (int n = 0; n < NP; ++n) {
-        const __m512i raw =
-            _mm512_loadu_si512(p + n * pbytes + kb * Q4_BLOCK_BYTES + 2 * NR * 4 + c * 64);
-        const __m512i lo = _mm512_and_si512(raw, low4), up = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        const __m512i w[4] = {nibble_pairs(lo, idx01, hi), nibble_pairs(lo, idx23, hi), nibble_pairs(up, idx01, hi),
-                              nibble_pairs(up, idx23, hi)};
-        for (int h = 0; h < 4; ++h)
-          for (int r = 0; r < R; ++r) s[r][n] = dot_pair(s[r][n], w[h], xc + r * ldx + h);
-      }
+      const __m512i raw = _mm512_loadu_si512(blk + 2 * NR * 4 + c * 64);
+      const __m512i lo = _mm512_and_si512(raw, low4), up = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      const __m512i w[4] = {nibble_pairs(lo, idx01, hi), nibble_pairs(lo, idx23, hi), nibble_pairs(up, idx01, hi),
+                            nibble_pairs(up, idx23, hi)};
+      for (int h = 0; h < 4; ++h)
+        for (int r = 0; r < R; ++r) s[r] = dot_pair(s[r], w[h], xc + r * ldx + h);
     }
-    for (int n = 0; n < NP; ++n) {
-      const float* dm = reinterpret_cast<const float*>(p + n * pbytes + kb * Q4_BLOCK_BYTES);
-      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_fmadd_ps(minus128, d, _mm512_loadu_ps(dm + NR));
-      for (int r = 0; r < R; ++r)
-        t[r][n] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * ldxs + kb]), m, _mm512_fmadd_ps(s[r][n], d, t[r][n]));
-    }
+    const float* dm = reinterpret_cast<const float*>(blk);
+    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_fmadd_ps(minus128, d, _mm512_loadu_ps(dm + NR));
+    for (int r = 0; r < R; ++r)
+      t[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * ldxs + kb]), m, _mm512_fmadd_ps(s[r], d, t[r]));
   }
-  for (int n = 0; n < NP; ++n)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, t[r][n]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + r * NR, t[r]);
 }
 
-// Up to 2 rows: 4 panels at once (a row's 16 pairs a block are one chain of
-// dependent dot products per panel); up to 4 rows: 2; more: one panel in
-// tiles of up to MR_BQ rows, as even as they divide.
+// One panel after another, in memory order (the blocks' reads bound few
+// rows: one stream; linear_cpu.cpp's bf16_rows_linear), each in tiles of up
+// to MR_BQ rows, as even as they divide.
 void q4bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const uint32_t* x, int64_t ldx,
                  const float* sx, int64_t ldxs, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
                  int64_t ldy) {
   const uint8_t* p = static_cast<const uint8_t*>(panels);
-  alignas(64) float tile[MR_BQ * NR * 4];
-  auto group = [&](auto np_c, auto rows_c, int64_t n, int64_t m, int64_t r) {
-    constexpr int G = decltype(np_c)::value, R = decltype(rows_c)::value;
-    q4bf16_tile<R, G>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, sx + m * ldxs, ldxs, tile);
-    for (int64_t j = 0; j < G; ++j)
-      store_tile(tile + j * R * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
-  };
-  int64_t n = 0;
-  if (rows <= 2) {
-    for (; n + 4 <= np; n += 4)
-      tile_of<2>(rows, [&](auto rc) { group(std::integral_constant<int, 4>{}, rc, n, 0, rows); });
-  } else if (rows <= 4) {
-    for (; n + 2 <= np; n += 2)
-      tile_of<4>(rows, [&](auto rc) { group(std::integral_constant<int, 2>{}, rc, n, 0, rows); });
-  }
+  alignas(64) float tile[MR_BQ * NR];
   const int64_t tiles = (rows + MR_BQ - 1) / MR_BQ;
-  for (; n < np; ++n)
+  for (int64_t n = 0; n < np; ++n)
     for (int64_t t = 0; t < tiles; ++t) {
       const auto [m, r] = row_tile(rows, t, tiles);
-      tile_of<MR_BQ>(r, [&](auto rc) { group(std::integral_constant<int, 1>{}, rc, n, m, r); });
+      tile_of<MR_BQ>(r, [&](auto rc) {
+        q4bf16_tile<decltype(rc)::value>(p + n * pbytes, K, x + m * ldx, ldx, sx + m * ldxs, ldxs, tile);
+      });
+      store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
     }
 }
 
@@ -1566,11 +1550,10 @@ void q4bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
 // to bfloat16.  Each panel is decoded once per call into bfloat16 pairs of
 // the exact q values (|q| <= 127 fits bfloat16's 8 bits), 16 pairs of 16
 // columns after the block's d as stored; each row tile reads it from L1.  Up
-// to Q8BF_FEW_ROWS rows make the pairs in registers instead (q8bf16_few): up
-// to 8 rows 2 or 4 panels at once, more one panel in tiles of up to 16 rows
-// (the 576 x 49,152 head on a Zen 4: one row 0.8-1.0 against 1.1-1.2 ms, 8
-// rows 1.7-1.8 against 2.2; 12 rows 2.4 against 3.4, 16 rows 3.0 against
-// 4.6, 24 rows 4.7 against 5.2; 32 rows and more the same either way).
+// to Q8BF_FEW_ROWS rows make the pairs in registers instead (q8bf16_few), a
+// panel at a time in tiles of up to 16 rows (the 576 x 49,152 head on a Zen
+// 4: 12 rows 2.4 against 3.4 ms, 16 rows 3.0 against 4.6, 24 rows 4.7
+// against 5.2; 32 rows and more the same either way).
 // Per block, one vdpbf16ps per pair of inputs into a float32 sum s, in k
 // order, then t = fma(s, d, t): one arithmetic for every row count.
 constexpr int64_t Q8BF_BLOCK_BYTES = NR * 4 + QB * NR * 2;  // d, then 16 pairs x 16 columns x 2 bfloat16
@@ -1600,33 +1583,28 @@ inline void q8bf16_decode_panel(const uint8_t* p, int64_t K, uint8_t* out) {
   }
 }
 
-// Few rows: NP panels at once, each pair made in registers as
-// q8bf16_decode_panel makes it, into the same sums in the same order (the
-// same bits).  One panel gives a row one chain of 16 dependent dot products
-// a block, which bound a step of one sequence; NP panels give NP chains.
-// The running totals wait in `tile` between blocks (float32 stored and
-// loaded: the same bits), so 8 rows of 2 panels, or 16 of one, keep their
-// sums in registers.
-template <int R, int NP>
-void q8bf16_few(const uint8_t* p, int64_t pbytes, int64_t K, const uint32_t* x, int64_t ldx, float* tile) {
-  for (int n = 0; n < NP; ++n)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + (n * R + r) * NR, _mm512_setzero_ps());
+// Few rows, one panel: each pair made in registers as q8bf16_decode_panel
+// makes it, into the same sums in the same order (the same bits).  The
+// running totals wait in `tile` between blocks (float32 stored and loaded:
+// the same bits), so 16 rows keep their sums in registers.  A row's 16 dot
+// products a block are one dependent chain; the blocks' reads bound a step of
+// one sequence all the same, read in memory order (q8bf16_rows).
+template <int R>
+void q8bf16_few(const uint8_t* p, int64_t K, const uint32_t* x, int64_t ldx, float* tile) {
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(tile + r * NR, _mm512_setzero_ps());
   for (int64_t kb = 0; kb < K / QB; ++kb) {
-    __m512 s[R][NP];
-    set_all(s, _mm512_setzero_ps());
-    for (int n = 0; n < NP; ++n)
-      prefetch_block(p + n * pbytes + (kb + Q4_AHEAD) * Q8_BLOCK_BYTES, Q8_BLOCK_BYTES);
-    for (int kp = 0; kp < QB / 2; ++kp)
-      for (int n = 0; n < NP; ++n) {
-        const __m512i w = q8_bf16_pairs(p + n * pbytes + kb * Q8_BLOCK_BYTES, kp);
-        for (int r = 0; r < R; ++r) s[r][n] = dot_pair(s[r][n], w, x + r * ldx + kb * (QB / 2) + kp);
-      }
-    for (int n = 0; n < NP; ++n) {
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(p + n * pbytes + kb * Q8_BLOCK_BYTES));
-      for (int r = 0; r < R; ++r) {
-        float* t = tile + (n * R + r) * NR;
-        _mm512_storeu_ps(t, _mm512_fmadd_ps(s[r][n], d, _mm512_loadu_ps(t)));
-      }
+    const uint8_t* blk = p + kb * Q8_BLOCK_BYTES;
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    prefetch_block(blk + Q4_AHEAD * Q8_BLOCK_BYTES, Q8_BLOCK_BYTES);  // past the panel's end, the next one's
+    for (int kp = 0; kp < QB / 2; ++kp) {
+      const __m512i w = q8_bf16_pairs(blk, kp);
+      for (int r = 0; r < R; ++r) s[r] = dot_pair(s[r], w, x + r * ldx + kb * (QB / 2) + kp);
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    for (int r = 0; r < R; ++r) {
+      float* t = tile + r * NR;
+      _mm512_storeu_ps(t, _mm512_fmadd_ps(s[r], d, _mm512_loadu_ps(t)));
     }
   }
 }
@@ -1653,30 +1631,14 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
                  const float*, int64_t, int64_t rows, const float* bias, int64_t col0, int64_t cols, float* y,
                  int64_t ldy) {
   const uint8_t* p = static_cast<const uint8_t*>(panels);
-  int64_t n = 0;
-  if (rows <= 8) {  // up to 2 rows: 4 panels at once; up to 8: 2
-    alignas(64) float few[8 * NR * 2];
-    auto group = [&](auto np_c, auto rows_c) {
-      constexpr int G = decltype(np_c)::value, R = decltype(rows_c)::value;
-      q8bf16_few<R, G>(p + n * pbytes, pbytes, K, x, ldx, few);
-      for (int64_t j = 0; j < G; ++j)
-        store_tile(few + j * R * NR, rows, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y, ldy);
-    };
-    if (rows <= 2) {
-      for (; n + 4 <= np; n += 4) tile_of<2>(rows, [&](auto rc) { group(std::integral_constant<int, 4>{}, rc); });
-    } else {
-      for (; n + 2 <= np; n += 2) tile_of<8>(rows, [&](auto rc) { group(std::integral_constant<int, 2>{}, rc); });
-    }
-  }
-  if (n == np) return;
-  if (rows <= Q8BF_FEW_ROWS) {  // the rest one panel at a time, in tiles of rows as even as they divide
+  if (rows <= Q8BF_FEW_ROWS) {  // one panel after another, in tiles of rows as even as they divide
     alignas(64) float few[MR_B8_FEW * NR];
     const int64_t tiles = (rows + MR_B8_FEW - 1) / MR_B8_FEW;
-    for (; n < np; ++n)
+    for (int64_t n = 0; n < np; ++n)
       for (int64_t t = 0; t < tiles; ++t) {
         const auto [m, r] = row_tile(rows, t, tiles);
         tile_of<MR_B8_FEW>(
-            r, [&](auto rc) { q8bf16_few<decltype(rc)::value, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, few); });
+            r, [&](auto rc) { q8bf16_few<decltype(rc)::value>(p + n * pbytes, K, x + m * ldx, ldx, few); });
         store_tile(few, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
       }
     return;
@@ -1685,7 +1647,7 @@ void q8bf16_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, cons
   dec.resize(static_cast<size_t>(K / QB * Q8BF_BLOCK_BYTES));
   alignas(64) float tile[MR_B8 * NR];
   const int64_t tiles = (rows + MR_B8 - 1) / MR_B8;
-  for (; n < np; ++n) {
+  for (int64_t n = 0; n < np; ++n) {
     q8bf16_decode_panel(p + n * pbytes, K, dec.data());
     for (int64_t t = 0; t < tiles; ++t) {
       const auto [m, r] = row_tile(rows, t, tiles);

@@ -26,6 +26,16 @@
 // that are running a piece.  A worker that wakes late finds the job closed and
 // goes back to sleep without touching it.
 //
+// Each thread of a job owns an even, contiguous share of [0, n) and claims its
+// pieces from the front of it; a thread whose share is done claims the others'
+// from their back ends.  So a thread walks its memory in order (a kernel's
+// pieces are consecutive panels), and its claims touch a cache line no other
+// core writes until the shares run out.  One counter for all (the pieces dealt
+// out alternately) kept both cores' prefetchers on short, interleaved runs and
+// moved that counter's line between them at every claim: on a Zen 4 (family 25
+// model 17) a bfloat16 model's decode step of one sequence 0.97x, of 8 0.93x,
+// of 32 0.97x the time (interleaved in one process).
+//
 // One pool per process, one job at a time: a second caller while a job runs
 // (another Python thread) runs its job inline.  Each extension (.so) holds its
 // own copy of this code, but the function-local statics below (the pool, the
@@ -45,30 +55,41 @@ namespace claim_pool {
 
 using RunFn = void (*)(const void* ctx, int64_t begin, int64_t end);
 
+// Pieces a thread took from another's share, since the process started
+// (tests/unit/test_kernel_pool.py: a late worker's share is done by the caller).
+inline std::atomic<uint64_t>& stolen() {
+  static std::atomic<uint64_t> count{0};
+  return count;
+}
+
 class Pool {
  public:
+  static constexpr int kMaxThreads = 256;
+
   // Runs run(ctx, b, e) over [0, n) in pieces of `grain`, on up to `threads`
   // threads, the caller included.
   void run(int64_t n, int64_t grain, int threads, RunFn run, const void* ctx) {
     std::unique_lock<std::mutex> caller(caller_, std::try_to_lock);
-    if (!caller.owns_lock()) {
+    if (!caller.owns_lock() || n > kMaxTasks) {
       run(ctx, 0, n);
       return;
     }
+    threads = std::min(threads, kMaxThreads);
     grow(threads - 1);
     fn_ = run;
     ctx_ = ctx;
-    n_ = n;
     grain_ = grain;
     wanted_ = threads - 1;
-    next_.store(0, std::memory_order_relaxed);
+    parts_ = threads;
+    for (int i = 0; i < threads; ++i)  // thread i's share (the caller's is 0)
+      shares_[i].range.store(pack(n * i / threads, n * (i + 1) / threads), std::memory_order_relaxed);
     open_.store(true, std::memory_order_seq_cst);
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lk(m_); }
       cv_.notify_all();
     }
-    claim();
+    claim(0);
     open_.store(false, std::memory_order_seq_cst);
     // Only workers inside the job count here: each is running a piece.
     for (int spins = 0; active_.load(std::memory_order_acquire) != 0; ++spins) {
@@ -79,13 +100,42 @@ class Pool {
   }
 
  private:
-  // A piece that throws stops the claiming; the caller rethrows the first error.
-  void claim() {
+  // A share's unclaimed pieces [front, back) in one word, so that its owner (at
+  // the front) and a thief (at the back) never take the same piece.
+  static constexpr int64_t kMaxTasks = 0xffffffff;
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+  }
+
+  // A piece [lo, hi) of share i: from its front for its owner, else from its
+  // back; false once the share is empty.
+  bool take(int i, bool owner, int64_t& lo, int64_t& hi) {
+    std::atomic<uint64_t>& range = shares_[i].range;
+    uint64_t word = range.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(word & 0xffffffffu), back = static_cast<int64_t>(word >> 32);
+      if (front >= back) return false;
+      lo = owner ? front : std::max(back - grain_, front);
+      hi = owner ? std::min(front + grain_, back) : back;
+      const uint64_t rest = owner ? pack(hi, back) : pack(front, lo);
+      if (range.compare_exchange_weak(word, rest, std::memory_order_acq_rel, std::memory_order_relaxed)) return true;
+    }
+  }
+
+  // Thread `self`'s share in order, then the others' from their backs.  A piece
+  // that throws stops the claiming; the caller rethrows the first error.
+  void claim(int self) {
     try {
-      for (int64_t b = next_.fetch_add(grain_); b < n_; b = next_.fetch_add(grain_))
-        fn_(ctx_, b, std::min(b + grain_, n_));
+      int64_t lo = 0, hi = 0;
+      for (int j = 0; j < parts_; ++j) {
+        const int i = (self + j) % parts_;
+        while (take(i, j == 0, lo, hi)) {
+          if (j > 0) stolen().fetch_add(1, std::memory_order_relaxed);
+          fn_(ctx_, lo, hi);
+        }
+      }
     } catch (...) {
-      next_.store(n_);
+      for (int i = 0; i < parts_; ++i) shares_[i].range.store(0, std::memory_order_relaxed);
       std::lock_guard<std::mutex> lk(error_m_);
       if (!error_) error_ = std::current_exception();
     }
@@ -134,7 +184,7 @@ class Pool {
       active_.fetch_add(1, std::memory_order_seq_cst);
       // Closed: the caller finished without this worker (its fields may already
       // be the next job's, which is fine to join once that one is open).
-      if (open_.load(std::memory_order_seq_cst) && id < wanted_) claim();
+      if (open_.load(std::memory_order_seq_cst) && id < wanted_) claim(id + 1);
       active_.fetch_sub(1, std::memory_order_release);
     }
   }
@@ -154,11 +204,14 @@ class Pool {
   std::atomic<bool> open_{false};
   std::atomic<int> active_{0};
   std::atomic<int> sleepers_{0};
-  std::atomic<int64_t> next_{0};
+  struct alignas(64) Share {  // a line of its own: its owner's claims move no other core's line
+    std::atomic<uint64_t> range{0};
+  };
+  Share shares_[kMaxThreads];
   RunFn fn_ = nullptr;
   const void* ctx_ = nullptr;
-  int64_t n_ = 0, grain_ = 1;
-  int wanted_ = 0;
+  int64_t grain_ = 1;
+  int wanted_ = 0, parts_ = 1;
   unsigned count_ = 0;  // workers started (by the caller, under caller_)
 };
 
