@@ -302,12 +302,20 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     block_sums(xp, M, K, xs.data_ptr<float>());
     xsp = xs.data_ptr<float>();
   }
-  // Up to 4 rows, a task is 4 panels (the kernel interleaves as many as its
-  // set's registers hold).  More rows of a 4-bit layer take panels 2 at a
-  // time: past one row tile (MR rows) the kernel decodes a pair once and reads
-  // it together in every tile (AVX-512; one panel at a time elsewhere); up to
-  // MR rows it reads each panel's blocks in turn.  Other formats: 1 panel.
-  const int64_t G = M <= 4 ? 4
+  // Few rows are bound by reading the weights.  With vdpbf16ps (up to 8
+  // rows) or the AVX-512 set (up to 4) a task is then one panel, so that a
+  // thread reads its share of the panels in memory order (parallel_claim.h):
+  // on a Zen 4 (family 25 model 17) a float32 model's decode step of one or 4
+  // sequences 0.95-0.96x the time, under bfloat16-weights 0.97x, of 8 0.95x.
+  // Else up to 4 rows a task is 4 panels (the kernel interleaves as many as
+  // its set's registers hold: the AVX2 set, whose step was no faster with one;
+  // AMX).  More rows of a 4-bit layer take panels 2 at a time: past one row
+  // tile (MR rows) the kernel decodes a pair once and reads it together in
+  // every tile (AVX-512; one panel at a time elsewhere); up to MR rows it
+  // reads each panel's blocks in turn.  Other formats: 1 panel.
+  const bool one_panel = !w.bf16_rows && ((w.bf16_pairs && M <= 8) || (M <= 4 && &isa() == &kAvx512Kernels));
+  const int64_t G = one_panel ? 1
+                    : M <= 4 ? 4
                     : w.bf16_rows && M >= M_CHUNK && K <= AMX_HELD_K ? AMX_PANELS
                     : (w.block_sums || w.bf16_pairs || w.bf16_rows ? 2 : 1);
   if (w.silu) {  // gate's panels (the first half) as tasks, each with up's panels as far on
@@ -459,9 +467,10 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
   const Q8I8Rows k8 = vnni ? kQ8I8Vnni : isa().q8i8;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // Groups of panels as the VNNI kernels take them: up to 16 rows 4 at a time;
-  // more rows decode 2 at a time, and tasks of 2 even out the two threads'
-  // shares of a small layer (1.05-1.1x at 32 rows, Zen 4).
+  // Groups of panels as the VNNI kernels take them: up to 16 rows one at a
+  // time, in memory order (linear_isa.h's i8_few_rows); more rows decode 2 at
+  // a time, and tasks of 2 even out the two threads' shares of a small layer
+  // (1.05-1.1x at 32 rows, Zen 4).  The other sets' int8 kernels: 4.
   const int64_t G = vnni && M > 16 ? 2 : 4;
   each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
     if (q8)
