@@ -36,8 +36,10 @@ the exact kernel folds them; an 8-bit head the same way (q8bf16_linear) for
 the logits of every token but a prompt's last.  The weights are the same
 blocks (no other copy); the only rounding is x's.  One arithmetic for every
 row count; about 1.8x the exact kernel's rate at 16-64 rows and the same at
-one (Zen 4); the head 1.4-1.6x at 16-64 rows, 1.6x at 8 and the same at one
-(session 49: up to 8 rows read 2 or 4 panels at once; 0.8x at one before).
+one (Zen 4); the head 1.4-1.6x at 16-64 rows, 1.6x at 8 and the same at one.
+Up to 8 rows, both read one panel after another in memory order, a thread
+through its own share (session 54: a one-sequence step 0.69-0.72x the time
+of 2 or 4 panels read together, dealt out alternately between the threads).
 
 Under decode_dtype=bfloat16-weights (CPUs with AVX512-BF16) every projection
 and the head hold bfloat16 panels (the weight rounded to nearest even, as
