@@ -305,8 +305,9 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
   // Few rows are bound by reading the weights.  With vdpbf16ps (up to 8
   // rows) or the AVX-512 set (up to 4) a task is then one panel, so that a
   // thread reads its share of the panels in memory order (parallel_claim.h):
-  // on a Zen 4 (family 25 model 17) a float32 model's decode step of one or 4
-  // sequences 0.95-0.96x the time, under bfloat16-weights 0.97x, of 8 0.95x.
+  // on a Zen 4 (family 25 model 17) a float32 model's decode step of one
+  // sequence 0.96-1.00x the time, of 4 0.95x; under bfloat16-weights 0.97x at
+  // one and 4, 0.95x at 8.
   // Else up to 4 rows a task is 4 panels (the kernel interleaves as many as
   // its set's registers hold: the AVX2 set, whose step was no faster with one;
   // AMX).  More rows of a 4-bit layer take panels 2 at a time: past one row
@@ -826,7 +827,7 @@ at::Tensor bf16_rows_linear(const char* name, const at::Tensor& x, const at::Ten
   // through its share of the panels in memory order (parallel_claim.h), one
   // stream its prefetchers follow; 4 panels read together were 4 streams, and
   // on a Zen 4 (family 25 model 17) a bfloat16 model's decode step of one
-  // sequence took 0.72-0.77x the time, of 4 0.87-0.90x, of 8 0.96x.  More
+  // sequence took 0.74-0.77x the time, of 4 0.87-0.90x, of 8 0.96-0.97x.  More
   // rows: tasks of 2 even out the threads better than 1 or 4 (a 576-output
   // projection is 18 tasks, not 9: 1 ms a 32-row step on a Zen 4).
   each_task(M, P, N, M <= 8 ? 1 : 2, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
