@@ -95,8 +95,9 @@ def test_callers_on_several_threads_at_once_each_get_their_own_result(kernel) ->
 
 
 LATE_WORKER = """
-import os, sys, torch
-import engine
+import os
+import engine  # before torch, as a worker imports them
+import torch
 from engine.layers.cpu_attention import load_linear_kernel
 from engine.layers.packed_linear import q4_blocks
 from tests.unit.test_linear_isa import q4_weight
