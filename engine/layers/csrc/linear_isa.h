@@ -1240,7 +1240,16 @@ void i8_decoded_rows(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_b
   for (int64_t n = 0; n < np; n += NP_I8D) {
     const int64_t pn = min64(NP_I8D, np - n);
     for (int64_t j = 0; j < pn; ++j) decode(p + (n + j) * pbytes, dec.data() + j * dec_bytes);
+    // The NP_I8D panels after these (the next task's, in this thread's share)
+    // asked for into L2, a tile's part at a time, while the tiles compute:
+    // decoded right after, they no longer wait on memory (a model's weights
+    // stream from it every step).  Zen 4, family 25 model 17, 32 rows, 30
+    // layers' projections on distinct weights: 16.5-17.2 -> 15.5-15.8 ms
+    // (locality 0 and 3: no gain).
+    const uint8_t* next = p + (n + pn) * pbytes;
+    const int64_t lines = NP_I8D * pbytes / 64;
     for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
+      for (int64_t l = t * lines / ft; l < (t + 1) * lines / ft; ++l) __builtin_prefetch(next + l * 64, 0, 2);
       const auto [m, r] = row_tile(rows, t, ft);
       if (pn == NP_I8D)
         run(std::integral_constant<int, NP_I8D>{}, dec.data(), m, r, tile);
