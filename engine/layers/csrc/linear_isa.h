@@ -1076,9 +1076,15 @@ void avx2_panels(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_bytes
   thread_local std::vector<uint8_t> dec;
   dec.resize(static_cast<size_t>(dec_bytes));
   alignas(32) float tile[MR_I8A * NR];
+  const int64_t ft = (rows + MR_I8A - 1) / MR_I8A, lines = ft > 1 ? pbytes / 64 : 0;
   for (int64_t n = 0; n < np; ++n) {
     decode(p + n * pbytes, dec.data());
-    for (int64_t m = 0; m < rows; m += MR_I8A) {
+    // The next panel asked for while the tiles compute, as in i8_decoded_rows
+    // (Zen 4 on this AVX2 code, 32 rows, 30 layers: 28.2-28.3 -> 26.1-26.7 ms).
+    // Not for one tile: one row took 1.04-1.16x as long with it.
+    const uint8_t* next = p + (n + 1) * pbytes;
+    for (int64_t m = 0, t = 0; m < rows; m += MR_I8A, ++t) {
+      for (int64_t l = t * lines / ft; l < (t + 1) * lines / ft; ++l) __builtin_prefetch(next + l * 64, 0, 2);
       const int64_t r = min64(MR_I8A, rows - m);
       tile_of<MR_I8A>(r, [&](auto rc) { run(rc, dec.data(), m, tile); });
       store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
