@@ -336,6 +336,7 @@ class PackedLinear(nn.Module):
         self.int8 = self.q4 is not None or self.q8 is not None
         self.prompt_rows = rows
         self.decode = self._bind_generated()
+        self._fused_inputs = self._bind_fused_inputs()
 
     def enable_bf16_decodes(self, rows: PromptRows) -> None:
         """Run the rows `rows` does not mark as prompt tokens with x rounded to
@@ -384,10 +385,10 @@ class PackedLinear(nn.Module):
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(kernel.rms_norm(x, weight, eps, residual)): with a residual,
         residual += x first (in place) and the norm is of the sum.  Where the
-        rows are all generated tokens on a bfloat16 path, or every row runs on
-        the bfloat16 panels (decode_dtype=bfloat16-weights with
-        prefill_dtype=bfloat16), the kernel norms each row as it rounds it:
-        one call, no float32 copy between, the same bits."""
+        rows are all generated tokens on a bfloat16 or int8 path, or every row
+        runs on the bfloat16 panels (decode_dtype=bfloat16-weights with
+        prefill_dtype=bfloat16), the kernel norms each row as it rounds (or
+        quantizes) it: one call, no float32 copy between, the same bits."""
         fused = self._fused_now()
         if fused is not None:
             return fused[0](x, weight, eps, residual)
@@ -457,7 +458,7 @@ class PackedLinear(nn.Module):
 
     def _bind_fused_inputs(self) -> FusedInputs | None:
         """forward_normed's and forward_silu's kernels, bound once, on the
-        bfloat16 decode paths only (None elsewhere)."""
+        bfloat16 and int8 decode paths only (None elsewhere)."""
         kernel, n, bias = self.kernel, self.out_features, self.bias
         path = self.decode_path()
         if path == BF16_WEIGHTS and self.bf16 is not None:
@@ -469,6 +470,9 @@ class PackedLinear(nn.Module):
             return (lambda x, w, eps, res: kernel.bf16_norm_linear(x, panels, blocks, n, w, eps, res, bias),
                     lambda gate_up: kernel.bf16_silu_linear(gate_up, panels, blocks, n, bias), gated)
         blocks = self._tile_blocks
+        if path == INT8 and blocks is not None:  # each row normed (or gated) as it is quantized
+            return (lambda x, w, eps, res: kernel.int8_norm_linear(x, blocks, n, w, eps, res, bias),
+                    lambda gate_up: kernel.int8_silu_linear(gate_up, blocks, n, bias), None)
         if path != BF16_ROWS or blocks is None:
             return None
         return (lambda x, w, eps, res: kernel.bf16_rows_norm_linear(x, blocks, n, w, eps, res, bias),

@@ -22,6 +22,10 @@ from tests.unit.test_linear_isa import (
     q4_weight,
     q8_weight,
 )
+from tests.unit.test_linear_q4bf16 import (
+    assert_fused_inputs_check_their_shapes,
+    assert_fused_inputs_give_the_separate_calls_bits,
+)
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
 VNNI_CPU = all(has(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"))
@@ -192,6 +196,39 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     plain = PackedLinear(nn.Linear(64, 20), kernel)
     plain.enable_int8(PromptRows())
     assert not plain.int8 and plain.q4 is None and plain.q8 is None
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 32, 193])
+@pytest.mark.parametrize("make_weight", [q4_weight, q8_weight])
+def test_fused_inputs_give_the_separate_calls_bits(  # type: ignore[no-untyped-def]
+        kernel, m: int, make_weight) -> None:
+    """int8_norm_linear and int8_silu_linear at every row count."""
+    assert_fused_inputs_give_the_separate_calls_bits(kernel, m, make_weight, "int8",
+                                                     ("q4i8_linear", "q8i8_linear"))
+
+
+def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
+    assert_fused_inputs_check_their_shapes(kernel, "int8")
+
+
+def test_packed_linear_fuses_the_norm_and_gate_into_its_int8_rows(kernel) -> None:  # type: ignore[no-untyped-def]
+    """On the int8 path, a step of generated rows only norms (or gates) each
+    row as it is quantized: forward_normed and forward_silu give the separate
+    calls' bits and take the fused kernels."""
+    layer, _ = packed_layers(kernel, torch.Generator().manual_seed(5))
+    layer.enable_int8(PromptRows())
+    gen = torch.Generator().manual_seed(6)
+    x, norm_w = torch.randn(20, 96, generator=gen), torch.randn(96, generator=gen)
+    stream = torch.randn(20, 96, generator=gen)
+    assert layer._fused_now() is not None
+    separate_stream = stream.clone()
+    assert torch.equal(layer.forward_normed(x, norm_w, 1e-5, stream),
+                       kernel.q4i8_linear(kernel.rms_norm(x, norm_w, 1e-5, separate_stream), layer.q4, 50,
+                                          layer.bias))
+    assert torch.equal(stream, separate_stream)
+    gate_up = torch.randn(20, 192, generator=gen)
+    assert torch.equal(layer.forward_silu(gate_up),
+                       kernel.q4i8_linear(kernel.silu_and_mul(gate_up), layer.q4, 50, layer.bias))
 
 
 def test_the_option_is_named_when_wrong() -> None:

@@ -138,43 +138,59 @@ def test_packed_linear_splits_rows_between_the_paths(kernel) -> None:  # type: i
     assert not plain.bf16_decodes and plain.q4 is None and plain.q8 is None
 
 
-@needs_cpu
-@pytest.mark.parametrize("m", [1, 3, 5, 32, 193])
-@pytest.mark.parametrize("make_weight", [q4_weight, q8_weight])
-def test_fused_inputs_give_the_separate_calls_bits(kernel, m: int, make_weight) -> None:  # type: ignore[no-untyped-def]
-    """bf16_rows_norm_linear is q4bf16_linear / q8bf16_linear of rms_norm (its
-    residual updated the same way), bf16_rows_silu_linear of silu_and_mul: bit
-    for bit, at every row count, with and without a bias."""
+def assert_fused_inputs_give_the_separate_calls_bits(  # type: ignore[no-untyped-def]
+        kernel, m: int, make_weight, fused: str, plain: tuple[str, str]) -> None:
+    """kernel.<fused>_norm_linear is <plain> (the 4- or 8-bit one, by the
+    weight) of rms_norm (its residual updated the same way), <fused>_silu_linear
+    of silu_and_mul: bit for bit, with and without a bias."""
     w, blocks, x, b = product_case(kernel, make_weight, m, 96, 50, m * 10 + 5)
-    f = kernel.q4bf16_linear if make_weight is q4_weight else kernel.q8bf16_linear
+    f = getattr(kernel, plain[0] if make_weight is q4_weight else plain[1])
+    norm_linear = getattr(kernel, f"{fused}_norm_linear")
+    silu_linear = getattr(kernel, f"{fused}_silu_linear")
     gen = torch.Generator().manual_seed(m)
     norm_w, stream = torch.randn(96, generator=gen), torch.randn(m, 96, generator=gen)
     for bias in (None, b):
-        assert torch.equal(kernel.bf16_rows_norm_linear(x, blocks, 50, norm_w, 1e-5, bias=bias),
+        assert torch.equal(norm_linear(x, blocks, 50, norm_w, 1e-5, bias=bias),
                            f(kernel.rms_norm(x, norm_w, 1e-5), blocks, 50, bias))
         fused_stream, separate_stream = stream.clone(), stream.clone()
-        fused = kernel.bf16_rows_norm_linear(x, blocks, 50, norm_w, 1e-6, fused_stream, bias)
+        fused_y = norm_linear(x, blocks, 50, norm_w, 1e-6, fused_stream, bias)
         separate = f(kernel.rms_norm(x, norm_w, 1e-6, separate_stream), blocks, 50, bias)
-        assert torch.equal(fused, separate) and torch.equal(fused_stream, separate_stream)
+        assert torch.equal(fused_y, separate) and torch.equal(fused_stream, separate_stream)
         assert torch.equal(fused_stream, stream + x)  # the residual add happened, in place
         gate_up = torch.randn(m, 192, generator=gen)
-        assert torch.equal(kernel.bf16_rows_silu_linear(gate_up, blocks, 50, bias),
+        assert torch.equal(silu_linear(gate_up, blocks, 50, bias),
                            f(kernel.silu_and_mul(gate_up), blocks, 50, bias))
 
 
 @needs_cpu
-def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("m", [1, 3, 5, 32, 193])
+@pytest.mark.parametrize("make_weight", [q4_weight, q8_weight])
+def test_fused_inputs_give_the_separate_calls_bits(kernel, m: int, make_weight) -> None:  # type: ignore[no-untyped-def]
+    """bf16_rows_norm_linear and bf16_rows_silu_linear at every row count."""
+    assert_fused_inputs_give_the_separate_calls_bits(kernel, m, make_weight, "bf16_rows",
+                                                     ("q4bf16_linear", "q8bf16_linear"))
+
+
+def assert_fused_inputs_check_their_shapes(kernel, fused: str) -> None:  # type: ignore[no-untyped-def]
+    """kernel.<fused>_norm_linear and <fused>_silu_linear refuse bad shapes, naming themselves."""
     blocks = q4_blocks(q4_weight(16, 64, torch.Generator().manual_seed(0)), kernel)
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="bf16_rows_silu_linear: x has 64 features, want 128"):
-        kernel.bf16_rows_silu_linear(x, blocks, 16)
-    with pytest.raises(RuntimeError, match="bf16_rows_norm_linear: weight must be a contiguous float32"):
-        kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(63), 1e-5)
-    with pytest.raises(RuntimeError, match="bf16_rows_norm_linear: residual must be"):
-        kernel.bf16_rows_norm_linear(x, blocks, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
-    bad_blocks = r"bf16_rows_norm_linear: blocks must be uint8 \[P, K/32, 384\] \(4-bit\)"
+    norm_linear = getattr(kernel, f"{fused}_norm_linear")
+    silu_linear = getattr(kernel, f"{fused}_silu_linear")
+    with pytest.raises(RuntimeError, match=f"{fused}_silu_linear: x has 64 features, want 128"):
+        silu_linear(x, blocks, 16)
+    with pytest.raises(RuntimeError, match=f"{fused}_norm_linear: weight must be a contiguous float32"):
+        norm_linear(x, blocks, 16, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match=f"{fused}_norm_linear: residual must be"):
+        norm_linear(x, blocks, 16, torch.ones(64), 1e-5, torch.zeros(3, 64))
+    bad_blocks = rf"{fused}_norm_linear: blocks must be uint8 \[P, K/32, 384\] \(4-bit\)"
     with pytest.raises(RuntimeError, match=bad_blocks):
-        kernel.bf16_rows_norm_linear(x, blocks[:, :, :100], 16, torch.ones(64), 1e-5)
+        norm_linear(x, blocks[:, :, :100], 16, torch.ones(64), 1e-5)
+
+
+@needs_cpu
+def test_fused_inputs_check_their_shapes(kernel) -> None:  # type: ignore[no-untyped-def]
+    assert_fused_inputs_check_their_shapes(kernel, "bf16_rows")
 
 
 def fused_case(kernel) -> tuple[PackedLinear, PromptRows, Callable[[], None]]:  # type: ignore[no-untyped-def]

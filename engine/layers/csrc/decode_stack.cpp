@@ -63,6 +63,7 @@ struct Projection {
   at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps, const OptTensor& residual) const {
     if (path == kBf16Weights) return bf16_norm_linear(x, *bf16, blocks(), n, w, eps, residual, bias);
     if (path == kBf16Rows) return bf16_rows_norm_linear(x, *blocks(), n, w, eps, residual, bias);
+    if (path == kInt8) return int8_norm_linear(x, *blocks(), n, w, eps, residual, bias);
     return (*this)(rms_norm(x, w, eps, residual));
   }
 
@@ -70,6 +71,7 @@ struct Projection {
   at::Tensor gated(const at::Tensor& gate_up) const {
     if (path == kBf16Weights) return bf16_silu_linear(gate_up, *bf16, blocks(), n, bias);
     if (path == kBf16Rows) return bf16_rows_silu_linear(gate_up, *blocks(), n, bias);
+    if (path == kInt8) return int8_silu_linear(gate_up, *blocks(), n, bias);
     return (*this)(silu_and_mul(gate_up));
   }
 

@@ -436,10 +436,12 @@ BlocksCall blocks_call(const char* name, const at::Tensor& x, const at::Tensor& 
 }
 
 // y = x @ W.T (+ bias) for W in 4-bit (q8 false) or 8-bit blocks, x quantized
-// to int8 first (linear_isa_api.h).
+// to int8 first (linear_isa_api.h), after the prologue's norm or silu_mul if
+// any: each row as it is quantized, in the same pass over the rows.
 at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& blocks, bool q8, int64_t N,
-                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out);
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
+                       const RowPrologue& pro = {}) {
+  const BlocksCall bc = blocks_call(name, x, blocks, q8, N, bias, out, pro.silu_mul ? 2 : 1);
   const LinearCall& call = bc.call;
   const int64_t P = bc.P, K = bc.K, KB = K / QB, pbytes = bc.pbytes;
   const at::Tensor &x2 = call.x2, &y = call.y;
@@ -454,8 +456,16 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
   int32_t* xcp = reinterpret_cast<int32_t*>(sxp + M * KB);
   const float* xp = x2.data_ptr<float>();
   const QuantizeI8 quantize = isa().quantize_i8;
+  const int64_t width = x2.size(1);
   parallel_claim(M, 4, [&](int64_t begin, int64_t end) {
-    quantize(xp + begin * K, (end - begin) * KB, xqp + begin * K, dxp + begin * KB, sxp + begin * KB);
+    if (pro.any()) {
+      thread_local std::vector<float> in;  // a row after the prologue
+      in.resize(static_cast<size_t>(K));
+      for (int64_t t = begin; t < end; ++t)
+        quantize(prologue_row(pro, xp + t * width, t, K, in.data()), KB, xqp + t * K, dxp + t * KB, sxp + t * KB);
+    } else {
+      quantize(xp + begin * K, (end - begin) * KB, xqp + begin * K, dxp + begin * KB, sxp + begin * KB);
+    }
     if (q8)
       for (int64_t i = begin * KB; i < end * KB; ++i) {
         int32_t c = 0;
@@ -856,22 +866,48 @@ std::pair<bool, int64_t> blocks_kind(const char* name, const at::Tensor& blocks)
   return {blocks.size(2) == Q8_BLOCK_BYTES, blocks.size(1) * QB};
 }
 
-// q4bf16_linear or q8bf16_linear (by the blocks' size) of rms_norm(x, weight, eps, residual).
+// The linear calls on 4- or 8-bit blocks that take a prologue (bf16_rows_linear, int8_linear).
+using BlocksRowsLinear = at::Tensor (*)(const char*, const at::Tensor&, const at::Tensor&, bool, int64_t,
+                                        const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                        const RowPrologue&);
+
+// f of rms_norm(x, weight, eps, residual), the blocks 4- or 8-bit by their size:
+// each row normed as f rounds or quantizes it, the same bits.
+at::Tensor blocks_norm_linear(BlocksRowsLinear f, const char* name, const at::Tensor& x, const at::Tensor& blocks,
+                              int64_t N, const at::Tensor& weight, double eps,
+                              const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& bias) {
+  const auto [q8, K] = blocks_kind(name, blocks);
+  return f(name, x, blocks, q8, N, bias, c10::nullopt, norm_prologue(name, x, K, weight, eps, residual));
+}
+
+// f of silu_and_mul(gate_up): gate_up is [.., 2 K].
+at::Tensor blocks_silu_linear(BlocksRowsLinear f, const char* name, const at::Tensor& gate_up,
+                              const at::Tensor& blocks, int64_t N, const c10::optional<at::Tensor>& bias) {
+  RowPrologue pro;
+  pro.silu_mul = true;
+  return f(name, gate_up, blocks, blocks_kind(name, blocks).first, N, bias, c10::nullopt, pro);
+}
+
 at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& weight,
                                  double eps, const c10::optional<at::Tensor>& residual,
                                  const c10::optional<at::Tensor>& bias) {
-  const char* name = "bf16_rows_norm_linear";
-  const auto [q8, K] = blocks_kind(name, blocks);
-  return bf16_rows_linear(name, x, blocks, q8, N, bias, c10::nullopt, norm_prologue(name, x, K, weight, eps, residual));
+  return blocks_norm_linear(bf16_rows_linear, "bf16_rows_norm_linear", x, blocks, N, weight, eps, residual, bias);
 }
 
-// q4bf16_linear or q8bf16_linear of silu_and_mul(gate_up): gate_up is [.., 2 K].
 at::Tensor bf16_rows_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N,
                                  const c10::optional<at::Tensor>& bias) {
-  const char* name = "bf16_rows_silu_linear";
-  RowPrologue pro;
-  pro.silu_mul = true;
-  return bf16_rows_linear(name, gate_up, blocks, blocks_kind(name, blocks).first, N, bias, c10::nullopt, pro);
+  return blocks_silu_linear(bf16_rows_linear, "bf16_rows_silu_linear", gate_up, blocks, N, bias);
+}
+
+at::Tensor int8_norm_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& weight,
+                            double eps, const c10::optional<at::Tensor>& residual,
+                            const c10::optional<at::Tensor>& bias) {
+  return blocks_norm_linear(int8_linear, "int8_norm_linear", x, blocks, N, weight, eps, residual, bias);
+}
+
+at::Tensor int8_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N,
+                            const c10::optional<at::Tensor>& bias) {
+  return blocks_silu_linear(int8_linear, "int8_silu_linear", gate_up, blocks, N, bias);
 }
 
 std::string isa_name() { return isa().name; }
@@ -1144,6 +1180,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
   m.def("bf16_rows_silu_linear", &bf16_rows_silu_linear, nogil(),
         "q4bf16_linear / q8bf16_linear (by the blocks) of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
+        pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_norm_linear", &int8_norm_linear, nogil(),
+        "q4i8_linear / q8i8_linear (by the blocks) of rms_norm(x, weight, eps, residual), normed as quantized",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("residual") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_silu_linear", &int8_silu_linear, nogil(),
+        "q4i8_linear / q8i8_linear (by the blocks) of silu_and_mul(gate_up)", pybind11::arg("gate_up"),
         pybind11::arg("blocks"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("isa", &isa_name, "the instruction set the projections run on");
   m.def("set_isa", &set_isa, "run the projections on this instruction set (scalar, avx2, avx512)");

@@ -38,6 +38,9 @@ at::Tensor bf16_rows_norm_linear(const at::Tensor& x, const at::Tensor& blocks, 
                                  double eps, const OptTensor& residual, const OptTensor& bias);
 at::Tensor bf16_rows_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N,
                                  const OptTensor& bias);
+at::Tensor int8_norm_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& weight,
+                            double eps, const OptTensor& residual, const OptTensor& bias);
+at::Tensor int8_silu_linear(const at::Tensor& gate_up, const at::Tensor& blocks, int64_t N, const OptTensor& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, const OptTensor& residual);
 std::tuple<at::Tensor, at::Tensor> rope_and_store_kv(const at::Tensor& qkv, const at::Tensor& cos,
                                                      const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer,
