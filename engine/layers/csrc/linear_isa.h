@@ -1450,27 +1450,37 @@ SILU_MATH inline qv qv_abs(qv v) {
   return v;
 }
 
+typedef float qv8 __attribute__((vector_size(32)));
+typedef float qv4 __attribute__((vector_size(16)));
+typedef int8_t qb16 __attribute__((vector_size(16)));
+
 SILU_MATH void quantize_i8(const float* x, int64_t blocks, int8_t* xq, float* dx, float* sx) {
   const qv magic = qv{} + 12582912.f;
   for (int64_t b = 0; b < blocks; ++b) {
     const qv lo = *reinterpret_cast<const qv_u*>(x + b * QB), hi = *reinterpret_cast<const qv_u*>(x + b * QB + 16);
     const qv a = qv_abs(lo), c = qv_abs(hi);
-    qv m = a > c ? a : c;  // lane maxima (a NaN makes the sum NaN below)
-    qv s = lo + hi;
-    float amax = 0.f;
-    for (int j = 0; j < 16; ++j) amax = m[j] > amax ? m[j] : amax;
-    float s8[8], s4[4];
-    for (int j = 0; j < 8; ++j) s8[j] = s[j] + s[j + 8];
-    for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
-    const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+    qv m = a > c ? a : c;
+    m = m > 0.f ? m : qv{};  // NaN lanes as 0: the maxima pass over NaN (a NaN makes the sum NaN below)
+    // The lanes' maximum, halving: no NaN is left, so the order does not matter.
+    const qv8 m8 = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7),
+              n8 = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    const qv8 h8 = m8 > n8 ? m8 : n8;
+    const qv4 m4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3), n4 = __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    const qv4 h4 = m4 > n4 ? m4 : n4;
+    const float m2a = h4[0] > h4[2] ? h4[0] : h4[2], m2b = h4[1] > h4[3] ? h4[1] : h4[3];
+    const float amax = m2a > m2b ? m2a : m2b;
+    // The sum in one fixed order: lanes j and j + 8, then j and j + 4, then (0 + 2) + (1 + 3).
+    const qv s = lo + hi;
+    const qv8 s8 = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+    const qv4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    const float sum = (s4[0] + s4[2]) + (s4[1] + s4[3]);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     const qv rl = (lo * inv + magic) - magic, rh = (hi * inv + magic) - magic;
-    const qi il = __builtin_convertvector(rl, qi), ih = __builtin_convertvector(rh, qi);
-    for (int j = 0; j < 16; ++j) {
-      xq[b * QB + j] = static_cast<int8_t>(il[j]);
-      xq[b * QB + 16 + j] = static_cast<int8_t>(ih[j]);
-    }
-    const float sum = s2a + s2b;
+    const qb16 bl = __builtin_convertvector(__builtin_convertvector(rl, qi), qb16),
+               bh = __builtin_convertvector(__builtin_convertvector(rh, qi), qb16);
+    std::memcpy(xq + b * QB, &bl, 16);
+    std::memcpy(xq + b * QB + 16, &bh, 16);
     dx[b] = amax / 127.f + (sum - sum);  // NaN where x holds a NaN or an infinity (the maxima pass over NaN)
     sx[b] = sum;
   }
