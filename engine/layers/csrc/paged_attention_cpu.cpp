@@ -629,6 +629,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       // attention 4-5% faster).
       const char* first_block = reinterpret_cast<const char*>(base + bt[b * bt_stride + t0 / bs] * s_blk);
       for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(first_block + c);
+      // And the next task's first block: a thread's tasks are consecutive
+      // (parallel_claim.h's shares), so it is ready when that task starts (Zen
+      // 4, 32 sequences, 30 layers over a bfloat16 cache, alternating
+      // processes: 0.95x the time at context 264, 0.91-0.95x at 100).
+      if (task + 1 < T) {
+        const int64_t nb = task_seq[task + 1];
+        const int64_t ns0 = (task + 1 - first[nb] + span_lo[nb]) * PART_TOKENS, nt0 = std::max(lo[nb], ns0);
+        const char* nblk = reinterpret_cast<const char*>(base + bt[nb * bt_stride + nt0 / bs] * s_blk);
+        for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(nblk + c);
+      }
       span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
                          s_tok, s_head, p, scores.data(), kv_f.data());
       if (first[b + 1] - first[b] == 1) {  // one span: normalised here, as a merge would
