@@ -631,8 +631,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
       for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(first_block + c);
       // And the next task's first block: a thread's tasks are consecutive
       // (parallel_claim.h's shares), so it is ready when that task starts (Zen
-      // 4, 32 sequences, 30 layers over a bfloat16 cache, alternating
-      // processes: 0.95x the time at context 264, 0.91-0.95x at 100).
+      // 4, 32 sequences, 30 layers over a bfloat16 cache, 8 pairs of
+      // alternating processes: median 0.94x the time at context 264, 0.95x
+      // at 100).
       if (task + 1 < T) {
         const int64_t nb = task_seq[task + 1];
         const int64_t ns0 = (task + 1 - first[nb] + span_lo[nb]) * PART_TOKENS, nt0 = std::max(lo[nb], ns0);
