@@ -243,6 +243,13 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
 }
 
+// Part `part` of `parts` of the cache lines of [p, p + bytes), asked for into
+// L2: the panels a later task reads, a row tile's share at a time.
+inline void prefetch_part(const uint8_t* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = bytes / 64;
+  for (int64_t l = part * lines / parts; l < (part + 1) * lines / parts; ++l) __builtin_prefetch(p + l * 64, 0, 2);
+}
+
 // 4-bit blocks, factored: w = d * q + m, so a block of 32 inputs adds
 // d * sum(x q) + m * sum(x) to each output.  The sum over x q runs on the
 // small integers q as floats (no per-weight rebuild), sum(x) once per row and
@@ -1076,7 +1083,7 @@ void avx2_panels(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_bytes
   thread_local std::vector<uint8_t> dec;
   dec.resize(static_cast<size_t>(dec_bytes));
   alignas(32) float tile[MR_I8A * NR];
-  const int64_t ft = (rows + MR_I8A - 1) / MR_I8A, lines = ft > 1 ? pbytes / 64 : 0;
+  const int64_t ft = (rows + MR_I8A - 1) / MR_I8A;
   for (int64_t n = 0; n < np; ++n) {
     decode(p + n * pbytes, dec.data());
     // The next panel asked for while the tiles compute, as in i8_decoded_rows
@@ -1084,7 +1091,7 @@ void avx2_panels(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_bytes
     // Not for one tile: one row took 1.04-1.16x as long with it.
     const uint8_t* next = p + (n + 1) * pbytes;
     for (int64_t m = 0, t = 0; m < rows; m += MR_I8A, ++t) {
-      for (int64_t l = t * lines / ft; l < (t + 1) * lines / ft; ++l) __builtin_prefetch(next + l * 64, 0, 2);
+      if (ft > 1) prefetch_part(next, pbytes, t, ft);
       const int64_t r = min64(MR_I8A, rows - m);
       tile_of<MR_I8A>(r, [&](auto rc) { run(rc, dec.data(), m, tile); });
       store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
@@ -1253,9 +1260,8 @@ void i8_decoded_rows(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_b
     // layers' projections on distinct weights: 16.5-17.2 -> 15.5-15.8 ms
     // (locality 0 and 3: no gain).
     const uint8_t* next = p + (n + pn) * pbytes;
-    const int64_t lines = NP_I8D * pbytes / 64;
     for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
-      for (int64_t l = t * lines / ft; l < (t + 1) * lines / ft; ++l) __builtin_prefetch(next + l * 64, 0, 2);
+      prefetch_part(next, NP_I8D * pbytes, t, ft);
       const auto [m, r] = row_tile(rows, t, ft);
       if (pn == NP_I8D)
         run(std::integral_constant<int, NP_I8D>{}, dec.data(), m, r, tile);
