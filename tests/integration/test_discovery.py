@@ -14,6 +14,7 @@ import time
 import httpx
 import redis.asyncio as aioredis
 
+from services.aio_tasks import cancel_and_wait
 from services.discovery import Registration, read_registrations
 from services.frontend.worker_pool import WorkerPool
 
@@ -35,8 +36,12 @@ def test_registration_keys(redis_server: RedisServer) -> None:
         assert await read_registrations(client, "m") == {"decode": {"10.0.0.1:5000"},
                                                          "prefill": {"10.0.0.2:5000"}}
         assert dying._task is not None
-        dying._task.cancel()  # dies without deregistering: its key expires after 3 intervals
-        await asyncio.wait({dying._task}, timeout=5)
+        # It dies without deregistering: its key expires after 3 intervals.  Stopped as the
+        # workers stop such a loop (cancel_and_wait: cancelled again until it ends).  One
+        # cancellation that lands inside redis-py's pipeline can leave the task waiting in
+        # the pipeline's cleanup: in CI's serial lane it was still "cancelling" at
+        # `await self.register()` 5 s after a single cancel (session 56).
+        await asyncio.wait_for(cancel_and_wait(dying._task), timeout=30)
         assert dying._task.done()  # nothing refreshes its key any more
         # Its last refresh may have reached Redis as it died: wait out the TTL (0.3 s) it set.
         alive_only = {"decode": {"10.0.0.1:5000"}, "prefill": set()}
