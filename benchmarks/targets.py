@@ -531,17 +531,19 @@ def main() -> int:
                 report.append(f"5c. cold start, vLLM CPU: serving in {vllm.start_s:.1f} s")
         with_vllm = [vllm] if vllm is not None else []
         if only & {1, 5}:
+            def disagg_up(log: str) -> Server:
+                return splitserve_up(1, 1, out / log, kv=args.kv_cache_dtype, prompts=args.prefill_dtype,
+                                     decodes=auto_decodes)
+
             first_s = None
             if 5 in only:
                 # A machine's first start builds the CPU kernels and packs the
                 # weights for them, once (README: "The first start packs ...");
                 # the start timed below is a later one, as every start after
                 # that is (on a new Zen 5 the first took 59.8 s: session 56).
-                with splitserve_up(1, 1, out / "up-first.log", kv=args.kv_cache_dtype,
-                                   prompts=args.prefill_dtype, decodes=auto_decodes) as first:
+                with disagg_up("up-first.log") as first:
                     first_s = first.start_s
-            with splitserve_up(1, 1, out / "up-disagg.log", kv=args.kv_cache_dtype,
-                               prompts=args.prefill_dtype, decodes=auto_decodes) as disagg:
+            with disagg_up("up-disagg.log") as disagg:
                 disagg_label = disagg.label
                 if first_s is not None:
                     ok = disagg.start_s <= 10
