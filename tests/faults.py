@@ -23,18 +23,21 @@ log = logging.getLogger("tests.faults")
 
 CRASH_FILE = "SPLITSERVE_TEST_CRASH_FILE"  # while it exists the engine thread raises outside step()
 STEP_FAIL_FILE = "SPLITSERVE_TEST_STEP_FAIL_FILE"  # once it appears the next step raises (it is removed)
+STEP_SLOW_FILE = "SPLITSERVE_TEST_STEP_SLOW_FILE"  # while it exists each step waits the seconds it holds
 SEND_DELAY = "SPLITSERVE_TEST_SEND_DELAY"  # seconds a prefill worker waits before each KV send
 KV_TRANSFER = "SPLITSERVE_TEST_FAULTS"  # a JSON object: the KV transfer faults below
 POLL_S = 0.02
 
 
 def fault_env(*, crash_file: Path | None = None, step_fail_file: Path | None = None,
-              send_delay: float | None = None) -> dict[str, str]:
+              step_slow_file: Path | None = None, send_delay: float | None = None) -> dict[str, str]:
     env = {ENV: "tests.faults:install"}
     if crash_file is not None:
         env[CRASH_FILE] = str(crash_file)
     if step_fail_file is not None:
         env[STEP_FAIL_FILE] = str(step_fail_file)
+    if step_slow_file is not None:
+        env[STEP_SLOW_FILE] = str(step_slow_file)
     if send_delay is not None:
         env[SEND_DELAY] = str(send_delay)
     return env
@@ -62,6 +65,7 @@ def kv_transfer_fault_env(signals: Path, **faults: object) -> dict[str, str]:
 
 def install(hooks: FaultHooks, role: str) -> None:
     crash, step_fail = os.environ.get(CRASH_FILE), os.environ.get(STEP_FAIL_FILE)
+    step_slow = os.environ.get(STEP_SLOW_FILE)
     delay = float(os.environ.get(SEND_DELAY, "0"))
     if crash:
         def engine_iteration() -> None:
@@ -69,9 +73,19 @@ def install(hooks: FaultHooks, role: str) -> None:
                 log.error("fault: engine thread crashes (%s exists)", crash)
                 raise RuntimeError(f"injected engine-thread fault ({crash} exists)")
         hooks.engine_iteration = engine_iteration
-    if step_fail:
+    if step_fail or step_slow:
+        slowed = [False]
+
         def before_step() -> None:
-            if os.path.exists(step_fail):
+            try:
+                wait = float(Path(step_slow).read_text()) if step_slow else 0.0
+            except FileNotFoundError:
+                wait = 0.0
+            if wait and not slowed[0]:
+                log.warning("fault: each step waits %ss (%s exists)", wait, step_slow)
+            slowed[0] = bool(wait)
+            time.sleep(wait)
+            if step_fail and os.path.exists(step_fail):
                 os.unlink(step_fail)
                 log.error("fault: this step fails (%s)", step_fail)
                 raise RuntimeError(f"injected step failure ({step_fail})")

@@ -15,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from protos import pb
+from tests.faults import fault_env
 
 from .procs import (
     ROOT,
@@ -79,7 +81,15 @@ def start_named(name: str, tmp, ports: dict[str, int]) -> Proc:  # type: ignore[
     role = "decode" if name.startswith("d") else "prefill"
     peers = [address(p) for n, p in ports.items() if n[0] != name[0]]
     return start_worker(role, name, tmp, "--num-blocks", "256", "--grpc-port", str(ports[name]),
-                        "--drain-timeout", "20", *peer_flag(role, peers))
+                        "--drain-timeout", "20", *peer_flag(role, peers),
+                        env=fault_env(step_slow_file=slow_steps_file(tmp)))
+
+
+def slow_steps_file(tmp: Path) -> Path:
+    """While this file exists every worker here waits the seconds it holds before
+    each step (tests/faults.py): a test that must land a kill before a given
+    token slows the stream instead of racing it."""
+    return tmp / "slow-steps"
 
 
 def ensure_decode_workers(stack) -> None:  # type: ignore[no-untyped-def]
@@ -271,14 +281,23 @@ def test_seeded_sampled_stream_killed_mid_stream_continues_exactly(stack) -> Non
     assert Stream(grpc_address, PROMPTS[4], sampling=sampling).complete() == reference  # seeded: repeatable
     migrated = frontend_counter(url, "splitserve_requests_migrated_total")
 
-    stream = Stream(grpc_address, PROMPTS[4], sampling=sampling)
-    stream.start()
-    victim = carrier(url, stream)
-    wait_until(lambda: len(stream.tokens) >= 3, 60, "the stream stopped")
-    workers[victim].kill(signal.SIGKILL)
-    cut_at = len(stream.tokens)
-    assert 3 <= cut_at < NEAR_TIES[1]  # mid-stream, before two near-ties at least
-    assert stream.result() == reference
+    # Steps of 50 ms from here: the kill below lands within a few tokens of the
+    # third (a fast machine ran the whole stream in the time carrier() took).
+    slow = slow_steps_file(stack[4])
+    slow.write_text("0.05")
+    try:
+        stream = Stream(grpc_address, PROMPTS[4], sampling=sampling)
+        stream.start()
+        victim = carrier(url, stream)
+        wait_until(lambda: len(stream.tokens) >= 3, 60, "the stream stopped")
+        workers[victim].kill(signal.SIGKILL)
+        cut_at = len(stream.tokens)
+        assert "fault: each step waits" in workers[victim].tail(100_000)  # the stream was slowed
+        assert 3 <= cut_at < NEAR_TIES[1]  # mid-stream, before two near-ties at least
+        result = stream.result()
+    finally:
+        slow.unlink()
+    assert result == reference
     assert frontend_counter(url, "splitserve_requests_migrated_total") == migrated + 1
     print(f"seeded stream cut after {cut_at} of {max_tokens} tokens on {victim}; resumed exactly")
 

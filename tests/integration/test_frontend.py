@@ -419,10 +419,14 @@ def test_overload_gets_429_at_once_and_the_admitted_finish(stack, strict) -> Non
 
 
 def test_per_tenant_limit(strict) -> None:  # type: ignore[no-untyped-def]
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # Long enough to be still running at the second request on the fastest machine
+    # (200 tokens ran out before it once); leaving the block cancels it.
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     headers = {"Authorization": "Bearer tenant-a"}
     with httpx.stream("POST", f"{strict.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # it runs: a token came
         second = httpx.post(f"{strict.url}/v1/completions", json={**body, "stream": False}, headers=headers,
                             timeout=60)
         assert second.status_code == 429 and "API key or user" in second.json()["error"]["message"]

@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.faults import fault_env
+
 from .procs import ROOT, Stream, free_port, start_all, wait_until
 
 PROMPT = "A lighthouse keeper finds a message in a bottle. Tell what it says and what happens next."
@@ -31,6 +33,7 @@ class Up:
 
     def __init__(self, tmp: Path, *flags: str) -> None:
         self.log = tmp / "up.log"
+        self.slow_steps = tmp / "slow-steps"  # while it exists every worker's steps wait (tests/faults.py)
         self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
@@ -39,7 +42,9 @@ class Up:
                 "--max-model-len", "1024", "--num-threads", "1", "--cpu-affinity", "off", *flags]
         with open(self.log, "wb") as out:
             self.popen = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                          env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                   **fault_env(step_slow_file=self.slow_steps)),
+                                          start_new_session=True)
         wait_until(lambda: "splitserve is up" in self.text(), 300, self.text,
                    lambda: self.popen.poll() is None)
 
@@ -98,18 +103,24 @@ def test_killed_decode_worker_fails_over_restarts_and_rejoins(up: Up) -> None:
     reference.start()
     expected = reference.result()
 
-    stream = Stream(up.grpc_address, PROMPT, MAX_TOKENS)
-    stream.start()
-    # The victim: the worker that reports the stream running, once tokens flow.
-    wait_until(lambda: bool(stream.tokens) and any(w["running"] >= 1 and w["inflight"] >= 1
-                                                   for w in up.workers().values()), 60,
-               "the stream never ran", lambda: stream.is_alive())
-    victim = next(w for w in up.workers().values() if w["running"] >= 1 and w["inflight"] >= 1)
-    os.kill(victim["pid"], signal.SIGKILL)
-    cut_at = len(stream.tokens)
-    assert cut_at < MAX_TOKENS
-
-    assert stream.result() == expected  # resumed on the survivor: nothing lost or repeated
+    # Steps of 30 ms from here, so that the kill lands mid-stream on any machine.
+    up.slow_steps.write_text("0.03")
+    try:
+        stream = Stream(up.grpc_address, PROMPT, MAX_TOKENS)
+        stream.start()
+        # The victim: the worker that reports the stream running, once tokens flow.
+        wait_until(lambda: bool(stream.tokens) and any(w["running"] >= 1 and w["inflight"] >= 1
+                                                       for w in up.workers().values()), 60,
+                   "the stream never ran", lambda: stream.is_alive())
+        victim = next(w for w in up.workers().values() if w["running"] >= 1 and w["inflight"] >= 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        cut_at = len(stream.tokens)
+        assert cut_at < MAX_TOKENS
+        result = stream.result()
+    finally:
+        up.slow_steps.unlink()
+    assert "fault: each step waits" in up.text()  # the stream was slowed
+    assert result == expected  # resumed on the survivor: nothing lost or repeated
     metrics = httpx.get(f"{up.url}/metrics", timeout=5).text
     assert counter(metrics, "splitserve_requests_migrated_total") == 1  # the kill did cut this stream
     answered = [Stream(up.grpc_address, f"Request {i}: name a colour.", 8) for i in range(3)]
