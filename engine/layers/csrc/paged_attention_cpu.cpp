@@ -172,9 +172,9 @@ inline void add_weighted_rows(float* __restrict__ a, const float* __restrict__ p
 }
 
 // 16 values of a cache row as floats, widened in the register (exact):
-// float32 as stored, bfloat16 by a shift, float16 by F16C (AVX-512 builds).
-// fp8, and every type elsewhere, has none: rows are widened into a buffer
-// first (as_floats).
+// float32 as stored, bfloat16 by a shift, float16 by F16C, fp8 through
+// float16 (AVX-512 builds; fp8 with AVX512BW and VL).  Every type elsewhere
+// has none: rows are widened into a buffer first (as_floats).
 template <typename T>
 struct RowLoad : std::false_type {};
 #if defined(__AVX512F__)
@@ -195,6 +195,36 @@ struct RowLoad<c10::Half> : std::true_type {
     return reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r))));
   }
 };
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// fp8 through float16, exactly what fp8_as_floats gives: an e5m2 byte is a
+// float16's upper half.  An e4m3fn byte's sign, exponent and mantissa moved
+// into a float16's fields (mantissa shifted up 7) read as the value times 2^-8,
+// normal and subnormal alike (both formats' subnormals line up there), so
+// times 256 (exact) it is the value; the magnitude 0x7f is NaN (unsigned
+// here).  Half the bytes of a 16-bit cache, widened in the register like it:
+// 30 layers' decode attention of 32 sequences at context 125 on a Zen 5 (a
+// cache larger than L3) took 2.6 ms (e4m3fn) and 2.1 ms (e5m2) against
+// float16's 3.3 ms; widened into a buffer first, e4m3fn's took 3.0 ms.
+template <>
+struct RowLoad<c10::Float8_e5m2> : std::true_type {
+  static f32x16 at(const c10::Float8_e5m2* r) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+    return reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
+  }
+};
+template <>
+struct RowLoad<c10::Float8_e4m3fn> : std::true_type {
+  static f32x16 at(const c10::Float8_e4m3fn* r) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
+    // Sign-extended and shifted up 7: the sign lands in bits 15 and 14, the
+    // magnitude in 13..7; bit 14 cleared leaves the float16's fields.
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(-0x4001));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return reinterpret_cast<f32x16>(_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+  }
+};
+#endif
 
 // add_weighted_rows for NH query heads that share a KV head (accumulators
 // a + g * D, weights p + g * p_stride): each value row is read and widened
@@ -412,7 +442,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t v_bytes = s_kv * static_cast<int64_t>(sizeof(scalar_t));
   std::fill(out.acc, out.acc + Hq * D, 0.f);
-  // Where RowLoad cannot widen rows in registers (fp8; AVX2 builds), the
+  // Where RowLoad cannot widen rows in registers (AVX2 builds), the
   // block's rows of a KV head as floats (and their stride): float32 rows
   // where they are, others widened into kv_f first, all heads at once.
   auto widen = [&](const scalar_t* rows, int64_t n) {
