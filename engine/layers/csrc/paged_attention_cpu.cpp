@@ -63,10 +63,11 @@ inline const float* as_floats(const scalar_t* row, float* buf, int64_t D) {
   }
 }
 
-// fp8 rows, decoded with integer arithmetic the compiler vectorizes (a
+// fp8 rows: AVX-512 with BW and VL widens them through float16 (below);
+// elsewhere integer arithmetic the compiler vectorizes decodes them (a
 // 256-entry table, one load per element, ran at half the speed of reading a
-// float32 cache).  Every byte gives exactly what c10's conversion gives
-// (tests/unit/test_kv_bf16.py compares all 256).  fp8 is
+// float32 cache).  Every byte gives what c10's conversion gives, NaN's sign
+// aside (tests/unit/test_kv_bf16.py compares all 256).  fp8 is
 // sign | exponent | mantissa with bias 7 (e4m3fn) or 15 (e5m2), so a normal
 // value is a float32 with the fields moved and the bias raised to 127; a
 // subnormal (exponent 0) is its mantissa, an integer, times a power of two.
@@ -75,16 +76,45 @@ inline const float* as_floats(const scalar_t* row, float* buf, int64_t D) {
 inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 fp8 values through float16, the values the loop below gives: an e5m2
+// byte is a float16's upper half.  An e4m3fn byte's sign, exponent and
+// mantissa moved into a float16's fields (mantissa shifted up 7) read as the
+// value times 2^-8, normal and subnormal alike (both formats' subnormals line
+// up there), so times 256 (exact) it is the value; the magnitude 0x7f is NaN
+// (unsigned here).  Decode attention widens rows with these in the register
+// (RowLoad): 30 layers' decode attention of 32 sequences at context 125 on a
+// Zen 5 (a cache larger than L3) took 2.4 ms (e4m3fn) and 2.0 ms (e5m2)
+// against float16's 3.3 ms; widened into a buffer by the loop below, 4.4-4.9 ms.
+inline __m512 e5m2x16(const void* r) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(r)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+inline __m512 e4m3x16(const void* r) {
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(r));
+  // Sign-extended and shifted up 7: the sign lands in bits 15 and 14, the
+  // magnitude in 13..7; bit 14 cleared leaves the float16's fields.
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(-0x4001));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+#endif
+
 // M mantissa bits, exponent bias BIAS; E4M3FN: only all-ones is NaN (no
 // infinity), else (e5m2) the top exponent is infinity or NaN.
 template <int M, int BIAS, bool E4M3FN>
 inline const float* fp8_as_floats(const void* row, float* buf, int64_t D) {
   const uint8_t* bytes = static_cast<const uint8_t*>(row);
   uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+  int64_t d0 = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; d0 + 16 <= D; d0 += 16) _mm512_storeu_ps(buf + d0, E4M3FN ? e4m3x16(bytes + d0) : e5m2x16(bytes + d0));
+#endif
   constexpr uint32_t top = E4M3FN ? 0x7fu : (0x7fu >> M) << M;  // the first special magnitude
   // A subnormal's mantissa step, 2^(1 - BIAS - M): a normal float32.
   const float sub_unit = bits_f32(static_cast<uint32_t>(127 + 1 - BIAS - M) << 23);
-  for (int64_t d = 0; d < D; ++d) {
+  for (int64_t d = d0; d < D; ++d) {
     const uint32_t b = bytes[d], sign = (b & 0x80u) << 24, mag = b & 0x7fu;
     const uint32_t normal = (mag << (23 - M)) + (static_cast<uint32_t>(127 - BIAS) << 23);
     const uint32_t sub = f32_bits(static_cast<float>(mag & ((1u << M) - 1)) * sub_unit);
@@ -196,33 +226,13 @@ struct RowLoad<c10::Half> : std::true_type {
   }
 };
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-// fp8 through float16, exactly what fp8_as_floats gives: an e5m2 byte is a
-// float16's upper half.  An e4m3fn byte's sign, exponent and mantissa moved
-// into a float16's fields (mantissa shifted up 7) read as the value times 2^-8,
-// normal and subnormal alike (both formats' subnormals line up there), so
-// times 256 (exact) it is the value; the magnitude 0x7f is NaN (unsigned
-// here).  Half the bytes of a 16-bit cache, widened in the register like it:
-// 30 layers' decode attention of 32 sequences at context 125 on a Zen 5 (a
-// cache larger than L3) took 2.4 ms (e4m3fn) and 2.0 ms (e5m2) against
-// float16's 3.3 ms; widened into a buffer first, 4.4-4.9 ms (both).
 template <>
 struct RowLoad<c10::Float8_e5m2> : std::true_type {
-  static f32x16 at(const c10::Float8_e5m2* r) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
-    return reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
-  }
+  static f32x16 at(const c10::Float8_e5m2* r) { return reinterpret_cast<f32x16>(e5m2x16(r)); }
 };
 template <>
 struct RowLoad<c10::Float8_e4m3fn> : std::true_type {
-  static f32x16 at(const c10::Float8_e4m3fn* r) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
-    // Sign-extended and shifted up 7: the sign lands in bits 15 and 14, the
-    // magnitude in 13..7; bit 14 cleared leaves the float16's fields.
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(-0x4001));
-    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
-    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
-    return reinterpret_cast<f32x16>(_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
-  }
+  static f32x16 at(const c10::Float8_e4m3fn* r) { return reinterpret_cast<f32x16>(e4m3x16(r)); }
 };
 #endif
 
