@@ -11,7 +11,8 @@ import torch
 
 from engine.config import CacheConfig
 from engine.layers.attention import paged_attention
-from engine.layers.cpu_attention import load_cpu_kernel
+from engine.layers.cpu_attention import build_avx2_kernel, load_cpu_kernel
+from engine.layers.cpu_features import has
 from engine.layers.kv_quant import resolve_kv_dtype
 from tests.unit.test_kv_fp8 import quantized_step
 from tests.unit.test_triton_attention import (
@@ -81,13 +82,25 @@ def test_triton_reads_a_half_cache_under_float32(dtype: torch.dtype) -> None:
     _close_to_float(out, expected, dtype)
 
 
+def kernel_build(build: str):  # type: ignore[no-untyped-def]
+    """The attention kernel as this CPU builds it ("native"), or as an AVX2
+    machine does ("avx2": its own way of widening rows, run here too)."""
+    if build == "native":
+        return load_cpu_kernel()
+    if not all(has(f) for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU lacks AVX2, FMA or F16C, which the AVX2 build needs")
+    return build_avx2_kernel()
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16])
-def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype) -> None:
+def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype, build: str) -> None:
     """One key and one value per sequence, so the output is the value row
     itself (softmax over one key is 1): every byte pattern of fp8 (256) and of
     float16 (65536), and a spread of bfloat16 ones (normals, subnormals, signed zeros, infinities),
-    widened by the kernel equal torch's own conversion (NaN stays NaN)."""
-    kernel = load_cpu_kernel()
+    widened by the kernel equal torch's own conversion (NaN stays NaN), in
+    this CPU's build and in an AVX2 machine's."""
+    kernel = kernel_build(build)
     assert kernel is not None
     if dtype == torch.bfloat16:
         bits = torch.cat([torch.arange(0, 65536, 257), torch.tensor([0x0001, 0x8001, 0x007f, 0x0080, 0x8000,
