@@ -272,7 +272,7 @@ def test_seeded_sampled_stream_killed_mid_stream_continues_exactly(stack) -> Non
     lands before this seed's near-ties (tokens 8, 31 and 42: a draw there
     within float rounding of a CDF boundary, where a resume that prefilled the
     relayed tokens like a prompt picked the neighbour)."""
-    url, grpc_address, workers, _, _, _ = stack
+    url, grpc_address, workers, _, tmp, _ = stack
     ensure_decode_workers(stack)
     max_tokens = NEAR_TIES[-1] + 6
     sampling = pb.SamplingParams(temperature=0.9, seed=4242, max_tokens=max_tokens, ignore_eos=True,
@@ -283,7 +283,7 @@ def test_seeded_sampled_stream_killed_mid_stream_continues_exactly(stack) -> Non
 
     # Steps of 50 ms from here: the kill below lands within a few tokens of the
     # third (a fast machine ran the whole stream in the time carrier() took).
-    slow = slow_steps_file(stack[4])
+    slow = slow_steps_file(tmp)
     slow.write_text("0.05")
     try:
         stream = Stream(grpc_address, PROMPTS[4], sampling=sampling)

@@ -6,6 +6,8 @@ float16 value."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -82,7 +84,7 @@ def test_triton_reads_a_half_cache_under_float32(dtype: torch.dtype) -> None:
     _close_to_float(out, expected, dtype)
 
 
-def kernel_build(build: str):  # type: ignore[no-untyped-def]
+def kernel_build(build: str) -> ModuleType | None:
     """The attention kernel as this CPU builds it ("native"), or as an AVX2
     machine does ("avx2": its own way of widening rows, run here too)."""
     if build == "native":

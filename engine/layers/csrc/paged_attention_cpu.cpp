@@ -471,9 +471,10 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   const int64_t row_bytes = s_tok * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t v_bytes = s_kv * static_cast<int64_t>(sizeof(scalar_t));
   std::fill(out.acc, out.acc + Hq * D, 0.f);
-  // Where RowLoad cannot widen rows in registers (AVX2 builds), the
-  // block's rows of a KV head as floats (and their stride): float32 rows
-  // where they are, others widened into kv_f first, all heads at once.
+  // Where RowLoad cannot widen rows in registers (AVX2 builds; fp8 without
+  // AVX512BW), the block's rows of a KV head as floats (and their stride):
+  // float32 rows where they are, others widened into kv_f first, all heads
+  // at once.
   auto widen = [&](const scalar_t* rows, int64_t n) {
     if constexpr (!std::is_same_v<scalar_t, float>) {
       if (s_head == D && s_tok == Hkv * D)  // the block's rows are one run: widened in one pass
