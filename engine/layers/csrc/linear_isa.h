@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "linear_isa_api.h"
+#include "prefetch.h"
 
 // The SiLU's exp (silu_mul_rows below): without -ffast-math or fused multiply-adds.
 #pragma GCC push_options
@@ -241,13 +242,6 @@ constexpr int64_t Q4_AHEAD = 4;
 template <int LOCALITY = 0>
 inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
-}
-
-// Part `part` of `parts` of the cache lines of [p, p + bytes), asked for into
-// L2: the panels a later task reads, a row tile's share at a time.
-inline void prefetch_part(const uint8_t* p, int64_t bytes, int64_t part, int64_t parts) {
-  const int64_t lines = bytes / 64;
-  for (int64_t l = part * lines / parts; l < (part + 1) * lines / parts; ++l) __builtin_prefetch(p + l * 64, 0, 2);
 }
 
 // 4-bit blocks, factored: w = d * q + m, so a block of 32 inputs adds
@@ -1091,7 +1085,7 @@ void avx2_panels(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_bytes
     // Not for one tile: one row took 1.04-1.16x as long with it.
     const uint8_t* next = p + (n + 1) * pbytes;
     for (int64_t m = 0, t = 0; m < rows; m += MR_I8A, ++t) {
-      if (ft > 1) prefetch_part(next, pbytes, t, ft);
+      if (ft > 1) splitserve_prefetch::prefetch_share(next, pbytes, t, ft);
       const int64_t r = min64(MR_I8A, rows - m);
       tile_of<MR_I8A>(r, [&](auto rc) { run(rc, dec.data(), m, tile); });
       store_tile(tile, r, bias, col0 + n * NR, min64(NR, cols - n * NR), y + m * ldy, ldy);
@@ -1261,7 +1255,7 @@ void i8_decoded_rows(const uint8_t* p, int64_t pbytes, int64_t np, int64_t dec_b
     // (locality 0 and 3: no gain).
     const uint8_t* next = p + (n + pn) * pbytes;
     for (int64_t t = 0; t < ft; ++t) {  // row tiles as even as they divide
-      prefetch_part(next, NP_I8D * pbytes, t, ft);
+      splitserve_prefetch::prefetch_share(next, NP_I8D * pbytes, t, ft);
       const auto [m, r] = row_tile(rows, t, ft);
       if (pn == NP_I8D)
         run(std::integral_constant<int, NP_I8D>{}, dec.data(), m, r, tile);

@@ -26,6 +26,7 @@
 #include "bf16_round.h"
 #include "exp_poly.h"
 #include "parallel_claim.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -176,20 +177,8 @@ inline const float* as_floats(const c10::Half* row, float* buf, int64_t D) {
   return buf;
 }
 
-// Asks for the cache line at p into L2 (prefetcht1), not L1: a prefetch to
-// L1 holds one of the core's few L1 miss buffers until its line arrives, so a
-// block's worth of them stalled the kernel's own loads (and gained nothing over
-// no prefetch at all); to L2 the next block arrives while this one computes:
-// 1.15-1.25x on a decode step of 32 sequences over a cache larger than L3
-// (Zen 4, float32, bfloat16 and float16 caches alike).
-inline void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 2); }
-
-// Share `part` of `parts` of the cache lines of [p, p + bytes): a block's
-// prefetches spread over its heads' work, not all asked for at once.
-inline void prefetch_share(const char* p, int64_t bytes, int64_t part, int64_t parts) {
-  const int64_t lines = (bytes + 63) / 64;
-  for (int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) prefetch_line(p + l * 64);
-}
+using splitserve_prefetch::prefetch_line;  // into L2 (prefetch.h)
+using splitserve_prefetch::prefetch_share;
 
 // The decode kernel's vector: one register of floats (16 on AVX-512, 8 on
 // AVX2, where GCC splits wider vectors badly); _u: unaligned in memory.
