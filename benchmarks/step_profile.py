@@ -80,6 +80,7 @@ def instrument(llm: LLM, clock: Clock, layer_parts: bool) -> None:
     clock.wrap(runner, "prepare", "prepare")
     clock.wrap(model, "forward", "forward")
     clock.wrap(model, "compute_logits", "head")
+    clock.wrap(model, "compute_argmax", "head")  # greedy rows on a head that fuses it: no sample
     clock.wrap(eng, "_output", "detokenize")
     import engine.model_runner as mr
     clock.wrap(mr, "sample", "sample")
@@ -108,10 +109,13 @@ def run(dtypes: list[str], batch: int, prompt_len: int, steps: int, threads: int
     llms: dict[str, tuple[LLM, Clock]] = {}
     for dt in dtypes:
         # "float32/bfloat16": a float32 model, a bfloat16 cache; "+int8": --decode-dtype int8 (or bfloat16)
-        base, _, decode = dt.partition("+")
+        # "...:logits": greedy rows sampled from the logits where the head would fuse their argmax
+        spec, _, head = dt.partition(":")
+        base, _, decode = spec.partition("+")
         model_dtype, _, kv = base.partition("/")
         llm = LLM(dtype=model_dtype, num_threads=threads, max_num_seqs=max(batch, 1),
                   kv_cache_dtype=kv or "auto", decode_dtype=decode or "auto")
+        llm.engine.runner.fused_argmax = head != "logits"
         clock = Clock(now)
         instrument(llm, clock, layer_parts)
         llms[dt] = (llm, clock)
@@ -165,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated dtypes to compare; DTYPE/KV sets the KV cache dtype too, "
-                         "+int8 --decode-dtype int8")
+                         "+int8 --decode-dtype int8, :logits samples greedy rows from the logits where the "
+                         "head would take their argmax itself")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per dtype")

@@ -67,6 +67,15 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy  # below SAMPLING_EPS (engine/vocab/sampling_params.py)
 
 
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's token is the argmax of its raw logits, and nothing but
+    the token is asked of it: greedy, no penalty, logit_bias or min_tokens
+    still holding (process_logits leaves its logits as they are) and no
+    logprobs.  A grammar's mask is the caller's to check."""
+    return (is_greedy(params) and not params.needs_penalties and not params.logit_bias
+            and num_output_tokens >= params.min_tokens and params.logprobs is None)
+
+
 # ---------------------------------------------------------------- logit processors
 
 

@@ -381,6 +381,25 @@ class PackedLinear(nn.Module):
             (self._prompt if prompt else self._generated)(x[lo:hi], out=y[lo:hi])
         return y
 
+    def fuses_argmax(self, prompt_tokens: bool) -> bool:
+        """Whether argmax runs (its kernel fused) for a step's rows, some of
+        them prompt tokens or none: on the bfloat16 decode path
+        (enable_bf16_weights) with no bias, where forward runs every row on
+        the bfloat16 panels (or the blocks they were rounded from), on
+        vdpbf16ps (not AMX tiles: kernel.bf16_argmax_supported)."""
+        return (self.bf16_weights and self.bf16 is not None and self.bias is None
+                and (not prompt_tokens or self._one_path) and self.kernel.bf16_argmax_supported())
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).argmax(-1), torch's answer (the first index of the
+        largest output, a NaN above every number), where fuses_argmax: each
+        tile of sums is taken to its rows' argmax while in cache, the [rows,
+        N] outputs never written (kernel.bf16_linear_argmax)."""
+        rows = self.prompt_rows
+        if not self.fuses_argmax(rows is not None and bool(rows.runs)):
+            raise RuntimeError("argmax: not on this layer's path (fuses_argmax)")
+        return self.kernel.bf16_linear_argmax(x, self.bf16, self.out_features, self._tile_blocks)
+
     def forward_normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(kernel.rms_norm(x, weight, eps, residual)): with a residual,

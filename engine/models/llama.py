@@ -319,6 +319,18 @@ class LlamaForCausalLM(nn.Module):
         cap = self.spec.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
+    def fuses_argmax(self, prompt_tokens: bool) -> bool:
+        """Whether compute_argmax runs for a step's head rows (some of them
+        prompt tokens or none): a head whose kernel fuses it
+        (PackedLinear.fuses_argmax) and no soft cap (its tanh makes ties)."""
+        return (self.spec.final_softcap is None and isinstance(self.lm_head, PackedLinear)
+                and self.lm_head.fuses_argmax(prompt_tokens))
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1) without the logits (fuses_argmax)."""
+        assert isinstance(self.lm_head, PackedLinear)
+        return self.lm_head.argmax(hidden)
+
     def linear_names(self) -> list[str]:
         """The layers pack_linears swaps, by attribute path."""
         return [f"layers.{i}.{name}" for i in range(len(self.layers))

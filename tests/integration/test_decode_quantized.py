@@ -6,7 +6,9 @@ batch around it or on a prefix-cache hit (a chat's next turn included, whose
 prompt holds tokens generated before); the path was taken (they differ from
 the float32 engine's); speculative decoding gives the tokens decoding one at
 a time gives; a split pair (its decode worker int8 or bfloat16) equals one
-engine; where the option cannot run it is refused at start-up, naming it."""
+engine; where the option cannot run it is refused at start-up, naming it.
+Under bfloat16-weights plain greedy rows take their tokens from the head's
+own argmax, the tokens sampling gives."""
 
 from __future__ import annotations
 
@@ -107,6 +109,42 @@ def test_generated_tokens_are_batch_and_cache_invariant_and_quantized(decodes: s
     assert llm.generate(ids, scored)[0].prompt_logprobs == auto.generate(ids, scored)[0].prompt_logprobs
     print(f"\nlogprobs, float32 decodes {exact[1][:4]}, {decodes} decodes {cold[1][:4]}; "
           f"tokens equal: {exact[0] == cold[0]}")
+
+
+@needs_bf16
+def test_greedy_tokens_come_from_the_heads_own_argmax() -> None:
+    """bfloat16-weights, greedy rows that ask for nothing but their tokens:
+    the head takes each row's argmax in its kernel (compute_argmax, the
+    logits never made), in steps of decodes only; a step with a prompt's
+    last token, a row with logprobs or a penalty samples from the logits.
+    The tokens are those sampling from the logits gives."""
+    llm = _llm("bfloat16-weights")
+    runner = llm.engine.runner
+    model = runner.model
+    calls: list[int] = []  # rows of each compute_argmax call
+    inner = model.compute_argmax
+
+    def spy(hidden):  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return inner(hidden)
+
+    model.compute_argmax = spy  # type: ignore[method-assign]
+    prompts = [llm.tokenizer.encode(p) for p in [PROMPT, *OTHERS]]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+    # the three decoding together, each after its first token (a prompt's last row: the logits)
+    assert max(calls) == 3 and 0 < len(calls) < 3 * 12
+    runner.fused_argmax = False
+    seen = len(calls)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, plain)] == fused
+    assert len(calls) == seen
+    runner.fused_argmax = True
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.0001)
+    for asks in (GREEDY, penalized):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, asks)]
+        assert len(calls) == seen
+        if asks is GREEDY:
+            assert got == fused
 
 
 @pytest.mark.parametrize("closer", [pytest.param("bfloat16", marks=needs_q4bf16),

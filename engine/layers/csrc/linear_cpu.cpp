@@ -109,6 +109,9 @@ struct Panels {
   // each), and the call's output silu(gate) * up (N / 2 outputs) through this
   // kernel in place of `kernel` (AMX or vdpbf16ps).
   SiluPanelRows silu = nullptr;
+  // Set: the call's result is each row's argmax through this kernel in place
+  // of `kernel` (vdpbf16ps), its outputs never written (run_linear's `best`).
+  ArgmaxPanelRows argmax = nullptr;
 };
 
 using splitserve_bf16::round_bits;
@@ -182,8 +185,9 @@ LinearCall linear_call(const char* name, const at::Tensor& x, int64_t P, int64_t
 // panels (N outputs): a row chunk (M_CHUNK rows from m0) times a group of up to
 // G panels (np from panel p, cols outputs), chunk-major, so a thread walks
 // panels while its rows stay in cache and each panel is read once per chunk.
-template <typename Fn>
-void each_task(int64_t M, int64_t P, int64_t N, int64_t G, const Fn& fn) {
+// claimed(): after each piece of tasks a thread claimed, on that thread.
+template <typename Fn, typename Claimed = void (*)()>
+void each_task(int64_t M, int64_t P, int64_t N, int64_t G, const Fn& fn, const Claimed& claimed = [] {}) {
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK, groups = (P + G - 1) / G;
   // About 16 claims per thread: small enough to even out a preempted thread,
   // large enough that claiming costs nothing.
@@ -193,7 +197,15 @@ void each_task(int64_t M, int64_t P, int64_t N, int64_t G, const Fn& fn) {
       const int64_t c = t / groups, p = (t % groups) * G, np = std::min(G, P - p), m0 = c * M_CHUNK;
       fn(m0, std::min(M_CHUNK, M - m0), p, np, std::min(np * NR, N - p * NR));
     }
+    claimed();
   });
+}
+
+// best[i] = max(best[i], key) for another thread's keys too (a lock-free max).
+void raise_key(std::atomic<uint64_t>& best, uint64_t key) {
+  uint64_t now = best.load(std::memory_order_relaxed);
+  while (key > now && !best.compare_exchange_weak(now, key, std::memory_order_relaxed)) {
+  }
 }
 
 // What a bfloat16 projection does to its rows before it rounds them to
@@ -221,17 +233,22 @@ const float* prologue_row(const RowPrologue& pro, const float* row, int64_t t, i
 // y = x @ W.T (+ bias) for W in P panels of K inputs, N outputs; checks done
 // by the caller but for x and bias.
 // A prologue (bfloat16 rows only) runs on each row before it is rounded.
+// w.argmax: instead of y, each row's argmax_key into `best` (M of them), no bias.
 at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, int64_t P, int64_t K, int64_t N,
                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out,
-                      const RowPrologue& pro = {}) {
+                      const RowPrologue& pro = {}, std::atomic<uint64_t>* best = nullptr) {
+  TORCH_CHECK(w.argmax == nullptr || (best != nullptr && w.bf16_pairs && w.silu == nullptr && !bias.has_value()),
+              name, ": an argmax needs vdpbf16ps's bfloat16 pairs and no bias");
   TORCH_CHECK(!pro.any() || w.bf16_pairs || w.bf16_rows, name, ": a prologue needs bfloat16 rows");
   TORCH_CHECK(w.silu == nullptr || ((w.bf16_rows || w.bf16_pairs) && P % 2 == 0 && N == P * NR && !bias.has_value()),
               name, ": silu(gate) * up needs bfloat16 rows, whole panels for gate and for up, and no bias");
   const bool rows16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!rows16 || (w.bf16_rows && !pro.any()), name, ": bfloat16 rows only on AMX tiles, without a prologue");
   // AMX's silu(gate) * up comes out as the bfloat16 rows the next projection's tiles read (rows16).
-  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K, w.silu ? N / 2 : N,
-                                      w.bf16_rows, w.silu && w.bf16_rows ? at::kBFloat16 : at::kFloat);
+  // An argmax's y: one column per row, never written.
+  const LinearCall call = linear_call(name, x, P, K, N, bias, out, pro.silu_mul ? 2 * K : K,
+                                      w.silu ? N / 2 : w.argmax ? 1 : N, w.bf16_rows,
+                                      w.silu && w.bf16_rows ? at::kBFloat16 : at::kFloat);
   const at::Tensor &x2 = call.x2, &y = call.y;
   const int64_t M = call.M;
   if (M == 0) return y.view(call.sizes);
@@ -326,6 +343,21 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
       w.silu(w.base + p * w.panel_bytes, w.panel_bytes, half * w.panel_bytes, np, K, xp + m0 * ldx, ldx, rows,
              p * NR, cols, out + m0 * I * esize, I);
     });
+    return y.view(call.sizes);
+  }
+  if (w.argmax) {  // each thread's best keys over its pieces, raised into `best` after each piece
+    thread_local std::vector<uint64_t> mine;  // all 0 between pieces
+    each_task(
+        M, P, N, G,
+        [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
+          if (mine.size() < static_cast<size_t>(M)) mine.resize(static_cast<size_t>(M), 0);
+          w.argmax(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, rows, p * NR, cols,
+                   mine.data() + m0);
+        },
+        [&] {
+          for (int64_t i = 0; i < M; ++i)
+            if (mine[i] != 0) raise_key(best[i], std::exchange(mine[i], 0));
+        });
     return y.view(call.sizes);
   }
   each_task(M, P, N, G, [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
@@ -662,17 +694,20 @@ int64_t blocks_max_rows() {
 // AVX512-VBMI and up to BF16_BLOCKS_MAX_ROWS rows, each block's pairs
 // (blocks_max_rows).  The same bits every way.  gate: the panels are a
 // gate's then an up's, and the result silu(gate) * up through the chosen
-// kernel's SiluPanelRows (bf16_norm_silu_linear).
+// kernel's SiluPanelRows (bf16_norm_silu_linear).  best: each row's argmax
+// instead, through the kernel's ArgmaxPanelRows (vdpbf16ps only: not where
+// AMX runs, bf16_argmax_supported).
 at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor* blocks, int64_t N, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& out, const RowPrologue& pro = {},
-                               bool gate = false) {
+                               bool gate = false, std::atomic<uint64_t>* best = nullptr) {
   const int64_t K = bf16_panels_k(name, panels), P = panels.size(0);  // checked before it is read
   const bool amx = K % QB == 0 && use_amx();
+  TORCH_CHECK(best == nullptr || !amx, name, ": no argmax on AMX tiles (bf16_argmax_supported)");
   // bfloat16 rows (bf16_norm_silu_linear's on AMX): read as they are on AMX
   // tiles; elsewhere widened to float32 first (exact), whose rounding gives them back.
   if (x.scalar_type() == at::kBFloat16 && (!amx || pro.any()))
-    return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro, gate);
+    return bf16_weights_linear(name, x.to(at::kFloat), panels, blocks, N, bias, out, pro, gate, best);
   if (blocks != nullptr) {
     const bool q8 = check_panels_blocks(name, *blocks, P, K);
     const int64_t rows = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
@@ -683,13 +718,37 @@ at::Tensor bf16_weights_linear(const char* name, const at::Tensor& x, const at::
       Panels w = amx ? Panels{q8 ? kAmxQ8Rows : kAmxQ4Rows, bp, pbytes, false, false, true}
                      : Panels{q8 ? kBf16Q8Rows : kBf16Q4Rows, bp, pbytes, false, true, false};
       if (gate) w.silu = amx ? (q8 ? kAmxQ8SiluRows : kAmxQ4SiluRows) : (q8 ? kBf16Q8SiluRows : kBf16Q4SiluRows);
-      return run_linear(name, x, w, P, K, N, bias, out, pro);
+      if (best) w.argmax = q8 ? kBf16Q8ArgmaxRows : kBf16Q4ArgmaxRows;
+      return run_linear(name, x, w, P, K, N, bias, out, pro, best);
     }
   }
   Panels w{amx ? kAmxBf16Rows : kBf16Rows, reinterpret_cast<const uint8_t*>(panels.data_ptr()), K * NR * 2,
            false, !amx, amx};
   if (gate) w.silu = amx ? kAmxBf16SiluRows : kBf16SiluRows;
-  return run_linear(name, x, w, P, K, N, bias, out, pro);
+  if (best) w.argmax = kBf16ArgmaxRows;
+  return run_linear(name, x, w, P, K, N, bias, out, pro, best);
+}
+
+bool bf16_argmax_supported() { return bf16_supported() && !use_amx(); }
+
+// torch.argmax(bf16_linear(x, panels, n), -1) (or bf16_q4_linear's or
+// bf16_q8_linear's, blocks given: the same bits), without writing the
+// outputs: each tile's sums go to their rows' argmax while in cache.  int64
+// [rows of x].
+at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                              const c10::optional<at::Tensor>& blocks) {
+  const char* name = "bf16_linear_argmax";
+  const int64_t M = x.dim() == 0 || x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  std::vector<std::atomic<uint64_t>> best(static_cast<size_t>(M));
+  for (auto& b : best) b.store(0, std::memory_order_relaxed);
+  bf16_weights_linear(name, x, panels, blocks.has_value() ? &*blocks : nullptr, N, c10::nullopt, c10::nullopt, {},
+                      false, best.data());
+  at::Tensor idx = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) ip[i] = argmax_col(best[i].load(std::memory_order_relaxed));
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.pop_back();
+  return idx.view(sizes);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -1130,6 +1189,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_linear("q8_linear", &q8_linear, "blocks", "x @ W.T (+ bias) with W held as exact 8-bit blocks");
   m.def("q8_unpack", &q8_unpack, "the float32 weights q8 blocks stand for");
   m.def("bf16_supported", &bf16_supported, "whether this CPU runs bf16_linear (AVX512-BF16)");
+  m.def("bf16_argmax_supported", &bf16_argmax_supported,
+        "whether bf16_linear_argmax runs here (AVX512-BF16's vdpbf16ps: not where AMX runs bf16_linear)");
+  m.def("bf16_linear_argmax", &bf16_linear_argmax, nogil(),
+        "torch.argmax(bf16_linear(x, panels, n), -1) (bf16_q4_linear's or bf16_q8_linear's with blocks: the same "
+        "bits) without writing the outputs", pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"),
+        pybind11::arg("blocks") = pybind11::none());
   m.def("pack_bf16", &pack_bf16, "pack a [N, K] float32 weight into bfloat16 [N/16, K/2, 16, 2] panels");
   def_linear("bf16_linear", &bf16_linear, "panels",
         "x @ W.T (+ bias) in bfloat16 (x, float32 or bfloat16, and W rounded to nearest even, float32 sums), "

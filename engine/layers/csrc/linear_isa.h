@@ -784,6 +784,70 @@ void amx_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const f
 }
 #endif
 
+#if defined(SPLITSERVE_ISA_BF16)
+// The sums of a format that reads x as pairs (kReadsPairs), 2 panels at a
+// time, x's tiles of MR rows (ldx pairs a row): done(tile, n, pn, m, r) with
+// panels n .. n + pn times rows m .. m + r, panel j's r rows at tile + j r NR.
+template <typename Format, typename Done>
+inline void pair_tiles(const uint8_t* p, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
+                       int64_t rows, const Done& done) {
+  alignas(64) float tile[MR * NR * NP_BF];
+  for (int64_t n = 0; n < np; n += NP_BF) {
+    const int64_t pn = min64(NP_BF, np - n);
+    for (int64_t m = 0; m < rows; m += MR) {
+      const int64_t r = min64(MR, rows - m);
+      // The first row tile of several asks for the next two panels (past the
+      // last: the next call's, which follow in memory; a prefetch never faults).
+      if (pn == NP_BF)
+        run_rows<Format, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile,
+                                    m == 0 && rows > MR ? p + (n + NP_BF) * pbytes : nullptr);
+      else
+        run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
+      done(tile, n, pn, m, r);
+    }
+  }
+}
+#endif
+
+#if defined(SPLITSERVE_ISA_BF16) && !defined(SPLITSERVE_ISA_AMX)
+// The largest argmax_key of a panel's first `width` sums (at s), the first at
+// column col: the largest value and the first lane holding it, unless a lane
+// is a NaN (its bits: -ffast-math may drop a NaN test on floats).
+inline uint64_t panel_argmax(const float* s, int64_t width, int64_t col) {
+  const __mmask16 valid = width >= NR ? 0xffff : static_cast<__mmask16>((1u << width) - 1);
+  const __m512i bits = _mm512_loadu_si512(s);
+  const __mmask16 nan = _mm512_mask_cmpgt_epu32_mask(
+      valid, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  if (nan) return argmax_key(s[__builtin_ctz(nan)], col + __builtin_ctz(nan));
+  // Lanes past `width` as -inf, which no valid lane's value is below.
+  const __m512 v = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xff800000u))), valid,
+                                      _mm512_castsi512_ps(bits));
+  __m512 m = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));
+  m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xb1));
+  m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4e));
+  m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xb1));  // every lane the largest
+  const __mmask16 at = _mm512_mask_cmp_ps_mask(valid, v, m, _CMP_EQ_OQ);
+  const int j = at ? __builtin_ctz(at) : 0;
+  return argmax_key(s[j], col + j);
+}
+
+// linear_isa_api.h's ArgmaxPanelRows: rows_times_panels<Format>'s tiles (its
+// sums), each row's best key taken while the tile is in cache.  Format: BF16
+// (the panels) or BF16Blocks (the blocks they were rounded from).
+template <typename Format>
+void bf16_argmax_rows(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
+                      int64_t rows, int64_t col0, int64_t cols, uint64_t* best) {
+  pair_tiles<Format>(static_cast<const uint8_t*>(panels), pbytes, np, K, x, ldx, rows,
+                     [&](const float* t, int64_t n, int64_t pn, int64_t m, int64_t r) {
+                       for (int64_t j = 0; j < pn; ++j) {
+                         const int64_t c = (n + j) * NR, width = min64(NR, cols - c);
+                         for (int64_t i = 0; i < r; ++i)
+                           best[m + i] = std::max(best[m + i], panel_argmax(t + (j * r + i) * NR, width, col0 + c));
+                       }
+                     });
+}
+#endif
+
 template <typename Format>
 void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x, int64_t ldx,
                        const float* xs, int64_t ldxs, int64_t rows, const float* bias, int64_t col0, int64_t cols,
@@ -797,23 +861,11 @@ void rows_times_panels(const void* panels, int64_t pbytes, int64_t np, int64_t K
   // A row's sums never depend on the tile it is in.
   const int64_t tiles = (rows + MR - 1) / MR;
 #if defined(SPLITSERVE_ISA_BF16)
-  if constexpr (kReadsPairs<Format>) {  // 2 panels at a time; x's tiles of MR rows, ldx pairs a row
-    for (; n < np; n += NP_BF) {
-      const int64_t pn = min64(NP_BF, np - n);
-      for (int64_t m = 0; m < rows; m += MR) {
-        const int64_t r = min64(MR, rows - m);
-        // The first row tile of several asks for the next two panels (past the
-        // last: the next call's, which follow in memory; a prefetch never faults).
-        if (pn == NP_BF)
-          run_rows<Format, MR, NP_BF>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile,
-                                      m == 0 && rows > MR ? p + (n + NP_BF) * pbytes : nullptr);
-        else
-          run_rows<Format, MR, 1>(p + n * pbytes, pbytes, K, x + m * ldx, ldx, nullptr, 0, r, tile);
-        for (int64_t j = 0; j < pn; ++j)
-          store_tile(tile + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy,
-                     ldy);
-      }
-    }
+  if constexpr (kReadsPairs<Format>) {
+    pair_tiles<Format>(p, pbytes, np, K, x, ldx, rows, [&](const float* t, int64_t n, int64_t pn, int64_t m, int64_t r) {
+      for (int64_t j = 0; j < pn; ++j)
+        store_tile(t + j * r * NR, r, bias, col0 + (n + j) * NR, min64(NR, cols - (n + j) * NR), y + m * ldy, ldy);
+    });
     return;
   }
 #endif
@@ -1773,9 +1825,12 @@ extern const RowsTimesPanels kBf16Q4Rows = rows_times_panels<BF16Blocks<BTiles::
 extern const RowsTimesPanels kBf16Q8Rows = rows_times_panels<BF16Blocks<BTiles::kQ8>>;
 extern const SiluPanelRows kBf16Q4SiluRows = bf16_silu_rows<BF16Blocks<BTiles::kQ4>>;
 extern const SiluPanelRows kBf16Q8SiluRows = bf16_silu_rows<BF16Blocks<BTiles::kQ8>>;
+extern const ArgmaxPanelRows kBf16Q4ArgmaxRows = bf16_argmax_rows<BF16Blocks<BTiles::kQ4>>;
+extern const ArgmaxPanelRows kBf16Q8ArgmaxRows = bf16_argmax_rows<BF16Blocks<BTiles::kQ8>>;
 #elif defined(SPLITSERVE_ISA_BF16)
 extern const RowsTimesPanels kBf16Rows = rows_times_panels<BF16>;
 extern const SiluPanelRows kBf16SiluRows = bf16_silu_rows<BF16>;
+extern const ArgmaxPanelRows kBf16ArgmaxRows = bf16_argmax_rows<BF16>;
 #elif defined(SPLITSERVE_ISA_VNNI)
 extern const Q4I8Rows kQ4I8Vnni = q4i8_rows_vnni;
 extern const Q8I8Rows kQ8I8Vnni = q8i8_rows_vnni;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace splitserve_linear {
 
@@ -130,6 +131,30 @@ extern const SiluPanelRows kAmxQ8SiluRows;
 // The same on kBf16Rows's panels and x (vdpbf16ps), y float32 (not rounded):
 // kBf16Rows then silu_mul's bits.
 extern const SiluPanelRows kBf16SiluRows;
+// Each row's argmax over a call's outputs, as torch.argmax finds it in y:
+// the largest value, the first column among equal ones (-0 equal to 0), a NaN
+// above every number (the first NaN).  argmax_key ranks an output so that
+// the argmax is the largest key: the value's order in the high word (a NaN
+// at the top), the column reversed in the low one.  Keys compare the same
+// whichever thread or tile saw an output first, so the result does not depend
+// on how a call's panels are dealt out.
+inline uint64_t argmax_key(float v, int64_t col) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  if ((b & 0x7fffffffu) > 0x7f800000u) b = 0xffffffffu;  // NaN
+  else if (b == 0x80000000u) b = 0x80000000u;  // -0 ranks as 0
+  else b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (uint64_t{b} << 32) | (0xffffffffu - static_cast<uint32_t>(col));
+}
+// The column a key names.
+inline int64_t argmax_col(uint64_t key) { return 0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu); }
+// kBf16Rows's (kBf16Q4Rows's, kBf16Q8Rows's) sums without y: each row i's
+// best[i] raised to the largest argmax_key of its outputs col0 .. col0 + cols.
+using ArgmaxPanelRows = void (*)(const void* panels, int64_t pbytes, int64_t np, int64_t K, const float* x,
+                                 int64_t ldx, int64_t rows, int64_t col0, int64_t cols, uint64_t* best);
+extern const ArgmaxPanelRows kBf16ArgmaxRows;
+extern const ArgmaxPanelRows kBf16Q4ArgmaxRows;
+extern const ArgmaxPanelRows kBf16Q8ArgmaxRows;
 // kBf16Rows's bits (kBf16SiluRows's) from the 4- or 8-bit blocks (q4's or
 // q8's layout, pbytes a panel) the panels were rounded from, each block's
 // pairs made as they are needed: AVX512-BF16 with AVX512-VBMI
