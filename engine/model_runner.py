@@ -567,9 +567,10 @@ class ModelRunner:
         fuses it for these rows."""
         if not self.fused_argmax:
             return False
-        if not all(not s.spec_token_ids and plain_greedy(s.request.params, len(s.request.output_token_ids))
-                   for s in sampling):
-            return False
+        for s in sampling:
+            r = s.request
+            if s.spec_token_ids or not plain_greedy(r.params, len(r.output_token_ids), r.eos_token_ids):
+                return False
         return self.model.fuses_argmax(any(last_known_is_prompt(s) for s in sampling))
 
     def _greedy(self, seqs: Sequence[ScheduledSeq], sampling: Sequence[ScheduledSeq],

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -67,13 +67,13 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy  # below SAMPLING_EPS (engine/vocab/sampling_params.py)
 
 
-def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+def plain_greedy(params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]) -> bool:
     """Whether a row's token is the argmax of its raw logits, and nothing but
-    the token is asked of it: greedy, no penalty, logit_bias or min_tokens
-    still holding (process_logits leaves its logits as they are) and no
-    logprobs.  A grammar's mask is the caller's to check."""
+    the token is asked of it: greedy, no penalty, no logit_bias, no token
+    min_tokens still bans (process_logits leaves its logits as they are) and
+    no logprobs.  A grammar's mask is the caller's to check."""
     return (is_greedy(params) and not params.needs_penalties and not params.logit_bias
-            and num_output_tokens >= params.min_tokens and params.logprobs is None)
+            and params.logprobs is None and not min_tokens_banned(params, num_output_tokens, eos_token_ids))
 
 
 # ---------------------------------------------------------------- logit processors
@@ -174,14 +174,22 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Sequence[int]) ->
     return logits
 
 
-def _min_tokens_banned(row: SamplingRow) -> set[int]:
-    p = row.params
-    if row.token_bitmask is not None or len(row.output_token_ids) >= p.min_tokens:
+def min_tokens_banned(params: SamplingParams, num_output_tokens: int,
+                      eos_token_ids: Collection[int]) -> set[int]:
+    """The tokens min_tokens still bans from a row with num_output_tokens:
+    its stop tokens and, unless it ignores EOS, EOS."""
+    if num_output_tokens >= params.min_tokens:
         return set()
-    banned = set(p.stop_token_ids or ())
-    if not p.ignore_eos:
-        banned |= row.eos_token_ids
+    banned = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        banned |= set(eos_token_ids)
     return banned
+
+
+def _min_tokens_banned(row: SamplingRow) -> set[int]:
+    if row.token_bitmask is not None:  # the grammar's mask decides
+        return set()
+    return min_tokens_banned(row.params, len(row.output_token_ids), row.eos_token_ids)
 
 
 def first_argmax(x: Tensor) -> Tensor:

@@ -139,8 +139,13 @@ def test_greedy_tokens_come_from_the_heads_own_argmax() -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, plain)] == fused
     assert len(calls) == seen
     runner.fused_argmax = True
+    # min_tokens with nothing to ban (EOS ignored, no stop tokens) leaves the logits as they are
+    held = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=12)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, held)] == fused
+    assert len(calls) > seen
+    seen = len(calls)
     penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.0001)
-    for asks in (GREEDY, penalized):
+    for asks in (GREEDY, penalized, SamplingParams(temperature=0, max_tokens=12, min_tokens=12)):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, asks)]
         assert len(calls) == seen
         if asks is GREEDY:
