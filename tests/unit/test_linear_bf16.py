@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.cpu_attention import load_linear_kernel
-from engine.layers.packed_linear import PackedLinear, PromptRows, row_runs
+from engine.layers.packed_linear import PackedLinear, PromptRows, q8_blocks, row_runs
 from kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
 from tests.unit.test_linear_isa import assert_rows_on_their_paths, packed_layers, q4_weight, q8_weight
 from tests.unit.test_linear_q4bf16 import fused_case
@@ -120,6 +120,46 @@ def test_nan_and_inf_inputs_come_out_nan_and_inf(kernel) -> None:  # type: ignor
     x[0, 3], x[1, 4] = float("nan"), float("inf")
     y = kernel.bf16_linear(x, kernel.pack_bf16(w), 16)
     assert y[0].isnan().all() and (y[1] == float("inf")).all() and (y[2] == 0).all()
+
+
+def rounding_edges(n: int, gen: torch.Generator) -> torch.Tensor:
+    """n float32 values at bfloat16's rounding edges (normal ones): bfloat16
+    values, the ties between neighbours and the float32s either side of
+    them, signs mixed."""
+    b = (torch.randn(n, generator=gen) * 100).bfloat16().float()
+    nxt = (b.view(torch.int32) + 0x10000).view(torch.float32)  # the next bfloat16 up (in magnitude)
+    tie = ((b.double() + nxt.double()) / 2).float()
+    bits = tie.view(torch.int32)
+    pick = torch.randint(0, 4, (n,), generator=gen)
+    edges = torch.stack([b, tie, (bits - 1).view(torch.float32), (bits + 1).view(torch.float32)])
+    return edges[pick, torch.arange(n)]
+
+
+# 64 and 96 inputs: whole groups of 16 pairs (and one more row of a tile); 22: a tail alone.
+@pytest.mark.parametrize("k_in", [22, 64, 96])
+@pytest.mark.parametrize("m", [1, 13])
+def test_rows_round_to_nearest_even_as_torch_does(kernel, k_in: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    """Each input is rounded to bfloat16 as torch rounds it, ties to even, bit
+    for bit (through the identity, each output is its input so rounded), a
+    NaN a NaN and infinities infinite: the kernels' x in tiles of pairs, and
+    the 8-bit blocks' rows (q8bf16_linear) where the CPU runs them."""
+    gen = torch.Generator().manual_seed(k_in + m)
+    x = rounding_edges(m * k_in, gen).view(m, k_in)
+    eye = torch.eye(k_in)
+    want = x.bfloat16().float()
+    assert torch.equal(kernel.bf16_linear(x, kernel.pack_bf16(eye), k_in), want)
+    if kernel.q4bf16_supported() and k_in % 32 == 0:
+        blocks = q8_blocks(eye * 127, kernel)  # 8-bit blocks of d = 1, q = 127 (exact products)
+        assert blocks is not None
+        assert torch.equal(kernel.q8bf16_linear(x, blocks, k_in), want * 127)
+    # A NaN whose low bits alone are set stays a NaN (not rounded up into an
+    # infinity); infinities stay infinite: summed by a weight of ones.
+    odd = torch.zeros(3, k_in)
+    odd.view(torch.int32)[0, -1] = 0x7F800001
+    odd.view(torch.int32)[1, 0] = -0x7FFFFF  # 0xFF800001: a NaN, sign set
+    odd[2, k_in // 2] = float("-inf")
+    y = kernel.bf16_linear(odd, kernel.pack_bf16(torch.ones(16, k_in)), 16)
+    assert y[:2].isnan().all() and (y[2] == float("-inf")).all()
 
 
 def test_row_runs() -> None:

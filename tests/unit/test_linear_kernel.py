@@ -199,6 +199,20 @@ def float16_edges() -> torch.Tensor:
     return torch.cat([pos, -pos])
 
 
+def stored_values(kernel, values: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """values as a cache of dtype holds them: stored as v (q and k zero) by
+    rope_and_store_kv, one head of head_dim, a token a row."""
+    t = -(-values.numel() // head_dim)
+    v = torch.zeros(t * head_dim)
+    v[:values.numel()] = values
+    qkv = torch.cat([torch.zeros(t, 2 * head_dim), v.view(t, head_dim)], dim=1)
+    cos, sin = torch.ones(t, 1, head_dim // 2), torch.zeros(t, 1, head_dim // 2)
+    bs = 16
+    cache = torch.zeros(-(-t // bs), 1, 2, bs, 1, head_dim, dtype=dtype)
+    kernel.rope_and_store_kv(qkv, cos, sin, cache, 0, torch.arange(t), 1, 1)
+    return cache[:, 0, 1].reshape(-1)[:values.numel()]
+
+
 @pytest.mark.parametrize("head_dim", [6, 14, 64])  # 6: no group of 8; 14: 8 by F16C where present, 6 not
 def test_the_float16_store_rounds_as_torch_does(kernel, head_dim: int) -> None:  # type: ignore[no-untyped-def]
     """A float16 cache stores each value as torch's .to(float16) rounds it, bit
@@ -206,19 +220,53 @@ def test_the_float16_store_rounds_as_torch_does(kernel, head_dim: int) -> None: 
     2**-14, NaN a NaN (on every CPU: F16C 8 at a time where the CPU has it, the
     integer conversion for the rest)."""
     values = float16_edges()
-    t = -(-values.numel() // head_dim)
-    v = torch.zeros(t * head_dim)
-    v[:values.numel()] = values
-    qkv = torch.cat([torch.zeros(t, 2 * head_dim), v.view(t, head_dim)], dim=1)  # q, k zero: v alone
-    cos, sin = torch.ones(t, 1, head_dim // 2), torch.zeros(t, 1, head_dim // 2)
-    bs = 16
-    cache = torch.zeros(-(-t // bs), 1, 2, bs, 1, head_dim, dtype=torch.float16)
-    kernel.rope_and_store_kv(qkv, cos, sin, cache, 0, torch.arange(t), 1, 1)
-    got = cache[:, 0, 1].reshape(-1)[:values.numel()]
+    got = stored_values(kernel, values, head_dim, torch.float16)
     want = values.to(torch.float16)
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def fp8_edges(dtype: torch.dtype) -> torch.Tensor:
+    """float32 values at every rounding edge of an fp8 format: each of its
+    finite values, the midpoints between neighbours (ties, to even) and the
+    float32s either side of them, values past its largest finite one (they
+    saturate), float32 subnormals, signed zeros, infinities and NaN."""
+    top = torch.finfo(dtype).max
+    every = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = every[every.isfinite() & (every >= 0)].unique()  # sorted
+    mid = (finite[:-1] + finite[1:]) / 2  # exact in float32
+    bits = mid.view(torch.int32)
+    near = torch.cat([(bits - 1).view(torch.float32), (bits + 1).view(torch.float32)])
+    special = torch.tensor([top, top * 1.0001, top * 1.1, top * 2, 1e30, 1e-40, 1e-45, 2.0 ** -20,
+                            float("inf"), float("nan"), 0.0])
+    pos = torch.cat([finite, mid, near, special])
+    return torch.cat([pos, -pos])
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [6, 14, 64])  # 6, 14: groups of 8 and 16 and a tail
+def test_the_fp8_store_rounds_as_torch_does(kernel, isa: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                           head_dim: int) -> None:
+    """An fp8 cache stores each value as torch's .to(dtype) rounds it once
+    saturated at the format's largest finite value (engine/layers/kv_quant.py),
+    bit for bit: nearest, ties to even, subnormals, NaN a NaN; 16 at a time
+    (AVX-512), 8 (AVX2) or one by one (the projections' instruction set picks)."""
+    if isa not in kernel.supported_isas():
+        pytest.skip(f"this CPU lacks the {isa} instructions (it runs {kernel.supported_isas()})")
+    values = fp8_edges(dtype)
+    before = kernel.isa()
+    kernel.set_isa(isa)
+    try:
+        got = stored_values(kernel, values, head_dim, dtype)
+    finally:
+        kernel.set_isa(before)
+    top = torch.finfo(dtype).max
+    want = values.clamp(-top, top).to(dtype)  # kv_quant.quantize's saturation (NaN stays NaN)
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.uint8), want[~nan].view(torch.uint8))
 
 
 def test_fused_silu_and_mul(kernel) -> None:  # type: ignore[no-untyped-def]
