@@ -382,17 +382,27 @@ at::Tensor run_linear(const char* name, const at::Tensor& x, const Panels& w, in
     return y.view(call.sizes);
   }
   if (w.argmax) {  // each thread's best keys over its pieces, raised into `best` after each piece
-    thread_local std::vector<uint64_t> mine;  // all 0 between pieces
+    // A thread's keys, of the call it last took a piece of (zeroed when it takes one of another).
+    struct Mine {
+      uint64_t call = 0;
+      std::vector<uint64_t> best;
+    };
+    static std::atomic<uint64_t> calls{0};
+    const uint64_t this_call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
+    thread_local Mine mine;
     each_task(
         M, P, N, G,
         [&](int64_t m0, int64_t rows, int64_t p, int64_t np, int64_t cols) {
-          if (mine.size() < static_cast<size_t>(M)) mine.resize(static_cast<size_t>(M), 0);
+          if (mine.call != this_call) {
+            mine.call = this_call;
+            mine.best.assign(static_cast<size_t>(M), 0);
+          }
           w.argmax(w.base + p * w.panel_bytes, w.panel_bytes, np, K, xp + m0 * ldx, ldx, rows, p * NR, cols,
-                   mine.data() + m0);
+                   mine.best.data() + m0);
         },
         [&] {
           for (int64_t i = 0; i < M; ++i)
-            if (mine[i] != 0) raise_key(best[i], std::exchange(mine[i], 0));
+            if (mine.best[i] != 0) raise_key(best[i], std::exchange(mine.best[i], 0));
         });
     return y.view(call.sizes);
   }
