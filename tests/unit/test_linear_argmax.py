@@ -124,6 +124,10 @@ def test_packed_linear_takes_its_argmax_only_on_the_bfloat16_decode_path(kernel)
     rows.runs = row_runs([(2, 1), (3, 0)])  # a prompt token's row: its exact path, not the panels
     with pytest.raises(RuntimeError, match="argmax: not on this layer's path"):
         layer.argmax(x)
+    # prompt rows on the same panels (enable_bf16 too): one path, one argmax for the step
+    layer.enable_bf16(rows)
+    assert layer.fuses_argmax(True)
+    assert torch.equal(layer.argmax(x), layer.forward(x).argmax(-1))
     rows.runs = ()
     biased = PackedLinear(nn.Linear(64, 40), kernel)
     biased.enable_bf16_weights(PromptRows())

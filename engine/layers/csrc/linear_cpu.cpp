@@ -1096,10 +1096,10 @@ __attribute__((target("avx,f16c"))) static int64_t halves_f16c(const float* src,
 // float add: M mantissa bits, exponent bias BIAS.  |x| (x's sign apart) goes
 // to at most the top's bits (a NaN stays a NaN: the byte 0x7f); a normal
 // value is rebiased and rounded to nearest even at bit 23 - M; below the
-// smallest normal (2^(1 - BIAS)) c10 adds 2^(BIAS' + 23 - M) in float32, whose
-// rounding leaves the subnormal's bits at the bottom (DENORM: that constant's
-// bits).  The decode step's cache store (32 rows, 30 layers of a 3-head
-// model): c10's conversion value by value took 2% of a Zen 5's step.
+// smallest normal (2^(1 - BIAS)) c10 adds the float32 kDenorm (2 to the
+// 24 - M - BIAS), whose rounding leaves the subnormal's bits at the bottom,
+// and subtracts its bits.  The decode step's cache store (32 rows, 30 layers
+// of a 3-head model): c10's conversion value by value took 2% of a Zen 5's step.
 template <int M, int BIAS>
 struct Fp8Bits {
   static constexpr uint32_t kTop = M == 3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
