@@ -9,7 +9,7 @@ import logging
 import math
 import mmap
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -498,12 +498,15 @@ class ModelRunner:
         groups = [(1 + len(s.spec_token_ids), int(last_known_is_prompt(s))) for s in seqs if s.sample]
         return take_rows(hidden, rows), groups, prompt
 
-    def _logits(self, hidden: torch.Tensor, rows: Iterable[tuple[int, int]],
-                argmax: bool = False) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, rows: Iterable[tuple[int, int]]) -> torch.Tensor:
         """The head over `hidden`'s rows, per group of them (its rows, how many
-        lead as prompt tokens): decode_dtype int8 or bfloat16 runs the others'
-        on its kernel.  argmax: each row's argmax of them instead (compute_argmax)."""
-        head = self.model.compute_argmax if argmax else self.model.compute_logits
+        lead as prompt tokens): decode_dtype int8 or bfloat16 runs the others' on its kernel."""
+        return self._head(self.model.compute_logits, hidden, rows)
+
+    def _head(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+              rows: Iterable[tuple[int, int]]) -> torch.Tensor:
+        """head (compute_logits or compute_argmax) over `hidden`'s rows, the
+        head's kernels told which rows lead as prompt tokens (_logits)."""
         if self.head_rows is None:
             return head(hidden)
         self.head_rows.runs = row_runs(rows)
@@ -581,7 +584,7 @@ class ModelRunner:
         (family 26 model 2), 32 rows of a 576 x 49,152 head: 2.5 ms against
         4.3 for the head and first_argmax."""
         hidden, groups, prompt = self._forward_hidden(seqs)
-        ids = self._logits(hidden, groups, argmax=True).tolist()
+        ids = self._head(self.model.compute_argmax, hidden, groups).tolist()
         return ({s.request.request_id: [SampledToken(token_id=t, logprob=math.nan, rank=0)]
                  for s, t in zip(sampling, ids, strict=True)}, prompt)
 
