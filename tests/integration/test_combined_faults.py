@@ -22,7 +22,10 @@ MAX_TOKENS = 160
 PROMPT = ("Repeat the list exactly, line by line, then go on with it: red fox, blue jay, green frog, "
           "red fox, blue jay, green frog, red fox, blue jay, green frog, red fox, blue jay, green frog, "
           "red fox, blue jay, green frog.")
-SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+# Fixed k: with adaptive k, two missed drafts pause a request and its sparse probes can all miss,
+# so whether the survivor accepts anything would hang on where the kill cuts the stream (after
+# 46 of these tokens it accepts none).  With k fixed it accepts drafts for any cut before 132.
+SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "4", "--no-adaptive-speculation"]
 
 
 @pytest.fixture(scope="module")
