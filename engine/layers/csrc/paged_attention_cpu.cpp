@@ -244,6 +244,80 @@ struct RowLoad<c10::Float8_e4m3fn> : std::true_type {
 };
 #endif
 
+// A cache row's C vectors (16 values each) as floats: RowLoad's, one at a time.
+template <int C, typename T>
+inline void load_row(const T* r, f32x16 (&v)[C]) {
+  for (int c = 0; c < C; ++c) v[c] = RowLoad<T>::at(r + 16 * c);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+// e4m3fn rows 64 bytes at a time through a table (VBMI): a byte's magnitude
+// (its low 7 bits) picks the float16 of its value, high and low byte each
+// from a 128-entry table (vpermi2b), the byte's sign goes on top, a second
+// pair of byte permutes puts the halves together in order, and F16C widens
+// them.  About a third of e4m3x16's instructions for the same floats (every
+// e4m3fn value is a float16; 0x7f, NaN, is float16's NaN): 30 layers' decode
+// attention of 32 sequences at context 125 on a Zen 5 (family 26 model 2),
+// 2.57 ms through e4m3x16, 2.21 ms through this (e5m2: 1.97 ms).
+constexpr uint16_t e4m3_half_bits(int m) {
+  const int e = m >> 3, f = m & 7;
+  if (m == 0x7f) return 0x7e00;
+  if (e > 0) return static_cast<uint16_t>(((e + 8) << 10) | (f << 7));  // 2^(e - 7) (1 + f/8)
+  if (f == 0) return 0;
+  int top = 2;  // a subnormal, f 2^-9: a normal float16 with f's leading bit as its own
+  while (!(f >> top)) --top;
+  return static_cast<uint16_t>(((top + 6) << 10) | ((f << (10 - top)) & 0x3ff));
+}
+
+struct E4m3Table {
+  alignas(64) uint8_t hi[128], lo[128];
+  constexpr E4m3Table() : hi(), lo() {
+    for (int m = 0; m < 128; ++m) {
+      hi[m] = static_cast<uint8_t>(e4m3_half_bits(m) >> 8);
+      lo[m] = static_cast<uint8_t>(e4m3_half_bits(m) & 0xff);
+    }
+  }
+};
+inline constexpr E4m3Table kE4m3Table{};
+
+// Byte indices into (lo, hi) that interleave them into the float16s of
+// values 0-31 (kE4m3Pairs[0]) and 32-63 (kE4m3Pairs[1]).
+struct E4m3Pairs {
+  alignas(64) uint8_t idx[2][64];
+  constexpr E4m3Pairs() : idx() {
+    for (int half = 0; half < 2; ++half)
+      for (int i = 0; i < 32; ++i) {
+        idx[half][2 * i] = static_cast<uint8_t>(32 * half + i);            // lo's byte
+        idx[half][2 * i + 1] = static_cast<uint8_t>(64 + 32 * half + i);   // hi's byte
+      }
+  }
+};
+inline constexpr E4m3Pairs kE4m3Pairs{};
+
+inline void e4m3x64(const void* r, f32x16* v) {
+  const __m512i b = _mm512_loadu_si512(r);
+  const __m512i t_hi0 = _mm512_load_si512(kE4m3Table.hi), t_hi1 = _mm512_load_si512(kE4m3Table.hi + 64);
+  const __m512i t_lo0 = _mm512_load_si512(kE4m3Table.lo), t_lo1 = _mm512_load_si512(kE4m3Table.lo + 64);
+  // Bit 7 of an index is ignored, bit 6 picks the second register: entry b & 0x7f.
+  const __m512i lo = _mm512_permutex2var_epi8(t_lo0, b, t_lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t_hi0, b, t_hi1), b,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // | b & 0x80
+  const __m512i h0 = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[0]), hi);
+  const __m512i h1 = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[1]), hi);
+  v[0] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h0)));
+  v[1] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)));
+  v[2] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h1)));
+  v[3] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1)));
+}
+
+template <int C>
+inline void load_row(const c10::Float8_e4m3fn* r, f32x16 (&v)[C]) {
+  int c = 0;
+  for (; c + 4 <= C; c += 4) e4m3x64(r + 16 * c, v + c);
+  for (; c < C; ++c) v[c] = RowLoad<c10::Float8_e4m3fn>::at(r + 16 * c);
+}
+#endif
+
 // add_weighted_rows for NH query heads that share a KV head (accumulators
 // a + g * D, weights p + g * p_stride): each value row is read and widened
 // once for all of them.  Per head the same additions in the same order as
@@ -257,7 +331,7 @@ inline void add_weighted_rows_nh(float* __restrict__ a, const float* __restrict_
     for (int c = 0; c < C; ++c) acc[g][c] = *reinterpret_cast<const f32x16_u*>(a + g * D + 16 * c);
   for (int64_t i = 0; i < n; ++i) {
     f32x16 v[C];
-    for (int c = 0; c < C; ++c) v[c] = RowLoad<T>::at(rows + i * stride + 16 * c);
+    load_row<C>(rows + i * stride, v);
     for (int g = 0; g < NH; ++g) {
       const float pi = p[g * p_stride + i];
       for (int c = 0; c < C; ++c) acc[g][c] += pi * v[c];
@@ -405,7 +479,7 @@ inline void dot_rows_nh(const float* __restrict__ q, const T* __restrict__ rows,
       if (j < m) {
         const T* r = rows + (i0 + j) * stride;
         f32x16 row[C];
-        for (int c = 0; c < C; ++c) row[c] = RowLoad<T>::at(r + 16 * c);
+        load_row<C>(r, row);
         for (int g = 0; g < NH; ++g) {
           f32x16 acc = {};
           for (int c = 0; c < C; ++c) acc += qv[g][c] * row[c];
