@@ -256,7 +256,8 @@ inline void load_row(const T* r, f32x16 (&v)[C]) {
 // from a 128-entry table (vpermi2b), the byte's sign goes on top, a second
 // pair of byte permutes puts the halves together in order, and F16C widens
 // them.  About a third of e4m3x16's instructions for the same floats (every
-// e4m3fn value is a float16; 0x7f, NaN, is float16's NaN): 30 layers' decode
+// e4m3fn value is a float16; 0x7f, NaN, is float16's NaN, its sign aside;
+// tests/unit/test_kv_bf16.py widens all 256 bytes through it): 30 layers' decode
 // attention of 32 sequences at context 125 on a Zen 5 (family 26 model 2),
 // 2.57 ms through e4m3x16, 2.21 ms through this (e5m2: 1.97 ms).
 constexpr uint16_t e4m3_half_bits(int m) {
