@@ -10,6 +10,7 @@ is retried elsewhere, and the prefill worker lets go of the transfer."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -206,14 +207,57 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+KV_CACHE_LINE = re.compile(r"KV blocks of \d+ tokens \(([\d.]+) MiB")
+
+
+def kv_cache_mib(worker: Proc) -> float:
+    """The size of a worker's KV cache, as its start-up log states it (one decimal)."""
+    m = KV_CACHE_LINE.search(worker.log.read_text(errors="replace"))
+    assert m, f"no KV cache size in {worker.log}"
+    return float(m.group(1))
+
+
+def rss_outside(pid: int, mib: float) -> int:
+    """The resident memory of every mapping but the shared anonymous one of
+    `mib` MiB (mmap.mmap(-1, n), which smaps names /dev/zero): a worker's KV
+    cache, which the OS fills page by page as blocks are first used
+    (engine/model_runner.py, lazy_zeros), so that its RSS grows until every
+    block has held a token once, and never past its size."""
+    total, found = 0, False
+    size, path = 0.0, ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode, path
+                path, size = " ".join(fields[5:]), 0.0
+            elif fields[0] == "Size:":
+                size = int(fields[1]) / 1024
+            elif fields[0] == "Rss:":
+                rss = int(fields[1]) * 1024
+                if not found and path.startswith("/dev/zero") and abs(size - mib) < 0.06:
+                    found = True
+                else:
+                    total += rss
+    assert found, f"no shared anonymous mapping of {mib} MiB in {pid}'s smaps"
+    return total
+
+
 def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignore[no-untyped-def]
     """Issue 7 acceptance 6, CI-sized (SPLITSERVE_SOAK_SECONDS, default 12; the
     issue's full run is 300): a steady moderate load; after a warm-up quarter,
-    every process's RSS stays within 10% and no request fails."""
+    every process's RSS stays within 10% and no request fails.  A worker's KV
+    cache is left out of its RSS (rss_outside): its pages fill as the blocks
+    are first used, which at 256 blocks took longer than a 3 s warm-up (the
+    decode workers' RSS grew 9-10% in the 9 s after it, 0% after a 12 s one)."""
     url, grpc_address, workers, ports, tmp, frontend = stack
     ensure_decode_workers(stack)
     seconds = float(os.environ.get("SPLITSERVE_SOAK_SECONDS", "12"))
     pids = {"frontend": frontend.pid, **{n: w.popen.pid for n, w in workers.items()}}
+    kv_mib = {n: kv_cache_mib(w) for n, w in workers.items()}
+
+    def rss(name: str) -> int:
+        return rss_outside(pids[name], kv_mib[name]) if name in kv_mib else rss_bytes(pids[name])
+
     stop = threading.Event()
     done: list[Stream] = []
 
@@ -229,12 +273,12 @@ def test_soak_memory_stays_flat_and_nothing_fails(stack) -> None:  # type: ignor
         c.start()
     start = time.monotonic()
     time.sleep(seconds / 4)  # warm-up: caches fill, allocators settle
-    baseline = {name: rss_bytes(pid) for name, pid in pids.items()}
+    baseline = {name: rss(name) for name in pids}
     peak = dict(baseline)
     while time.monotonic() - start < seconds:
         time.sleep(1.0)
-        for name, pid in pids.items():
-            peak[name] = max(peak[name], rss_bytes(pid))
+        for name in pids:
+            peak[name] = max(peak[name], rss(name))
     stop.set()
     for c in clients:
         c.join(120)
