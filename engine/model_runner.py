@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig
 from engine.guided import allocate_bitmask
+from engine.layers import huge_pages
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.cpu_attention import load_cpu_kernel, load_linear_kernel
 from engine.layers.cpu_features import fast_bf16
@@ -104,15 +104,11 @@ def available_memory(device: torch.device) -> int:
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor whose pages are not touched until used.  On CPUs it lives
-    in an anonymous mapping, which the OS zero-fills page by page on first
-    use: torch.zeros writes every page up front, about 5 s for a 5 GiB KV
-    cache on one core, all of it on a worker's start-up path."""
+    """The KV cache's zeros: on CPUs huge_pages.kv_cache_zeros (its pages
+    filled on first use, not on the start-up path)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps buf alive
+    return huge_pages.kv_cache_zeros(shape, dtype)
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -199,8 +195,9 @@ def bf16_panels_path(model_dir: Path) -> Path:
 
 
 def load_packed(path: Path) -> dict[str, torch.Tensor] | None:
-    """Packed weights saved by an earlier start, mapped from the file (no copy:
-    workers on one machine share its pages); None if there are none."""
+    """Packed weights saved by an earlier start, mapped from the file (no copy;
+    huge_pages moves the ones the kernels stream onto 2 MiB pages, unless
+    SPLITSERVE_HUGE_PAGES=0 keeps them shared); None if there are none."""
     if not path.exists():
         return None
     try:
@@ -303,6 +300,9 @@ class ModelRunner:
         if bf16_cache is not None and held.keys() - (bf16_stored or {}).keys():
             save_packed({**(bf16_stored or {}), **held}, bf16_cache)  # packed here: kept for the next start
         if self.device.type == "cpu":
+            # What the kernels stream each step, before the decode stack keeps their pointers.
+            huge_pages.move_to_huge_pages(b for m in self.model.modules() if isinstance(m, PackedLinear)
+                                          for b in m.buffers())
             load_cpu_kernel()  # build (once per machine) now rather than in the first step
         log.info("model %s: %d KV blocks of %d tokens (%.1f MiB, %s)", model_dir.name, self.num_blocks,
                  self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,

@@ -218,27 +218,30 @@ def kv_cache_mib(worker: Proc) -> float:
 
 
 def rss_outside(pid: int, mib: float) -> int:
-    """The resident memory of every mapping but the shared anonymous one of
-    `mib` MiB (mmap.mmap(-1, n), which smaps names /dev/zero): a worker's KV
-    cache, which the OS fills page by page as blocks are first used
-    (engine/model_runner.py, lazy_zeros), so that its RSS grows until every
-    block has held a token once, and never past its size."""
+    """The resident memory of every mapping but a worker's KV cache, the
+    anonymous one of `mib` MiB flagged out of core dumps (VmFlags "dd";
+    engine/layers/huge_pages.py, kv_cache_zeros), which the OS fills page by
+    page as blocks are first used, so that its RSS grows until every block
+    has held a token once, and never past its size."""
     total, found = 0, False
-    size, path = 0.0, ""
+    maps: list[tuple[str, float, int, list[str]]] = []  # path, size in MiB, rss, VmFlags
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             fields = line.split()
             if not fields[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode, path
-                path, size = " ".join(fields[5:]), 0.0
+                maps.append((" ".join(fields[5:]), 0.0, 0, []))
             elif fields[0] == "Size:":
-                size = int(fields[1]) / 1024
+                maps[-1] = (maps[-1][0], int(fields[1]) / 1024, 0, [])
             elif fields[0] == "Rss:":
-                rss = int(fields[1]) * 1024
-                if not found and path.startswith("/dev/zero") and abs(size - mib) < 0.06:
-                    found = True
-                else:
-                    total += rss
-    assert found, f"no shared anonymous mapping of {mib} MiB in {pid}'s smaps"
+                maps[-1] = (*maps[-1][:2], int(fields[1]) * 1024, [])
+            elif fields[0] == "VmFlags:":
+                maps[-1] = (*maps[-1][:3], fields[1:])
+    for path, size, rss, flags in maps:
+        if not found and not path and "dd" in flags and abs(size - mib) < 0.06:
+            found = True
+        else:
+            total += rss
+    assert found, f"no anonymous mapping of {mib} MiB out of core dumps in {pid}'s smaps"
     return total
 
 
