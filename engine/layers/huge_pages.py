@@ -16,9 +16,11 @@ Linux gives huge pages to a private anonymous mapping that asks for them
 or "madvise" (most distributions' default); under "never" the same mapping
 stays on 4 KiB pages and works as before.  Packed weights mapped from their
 cache file are copied into such a mapping, so workers on one machine hold
-their own copies rather than sharing the file's pages:
-SPLITSERVE_HUGE_PAGES=0 keeps the weights where they are (shared) and the
-cache on 4 KiB pages."""
+their own copies rather than sharing the file's pages, and the copy is on
+the start-up path: 470 MiB (a 135M model's bfloat16 panels, 4-bit blocks and
+head) in 0.9 s on the Zen 5 above, a VM whose host backs fresh 2 MiB pages
+slowly; a split stack's cold start 2.9 -> 4.4 s.  SPLITSERVE_HUGE_PAGES=0
+keeps the weights where they are (shared) and the cache on 4 KiB pages."""
 
 from __future__ import annotations
 
