@@ -53,10 +53,13 @@ def anonymous_bytes(nbytes: int, huge: bool, align: bool = False, dump: bool = T
     `dump`.  The tensor keeps the mapping alive."""
     pad = HUGE_PAGE if huge and align else 0
     buf = mmap.mmap(-1, max(nbytes, 1) + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    if not dump and hasattr(mmap, "MADV_DONTDUMP"):
-        buf.madvise(mmap.MADV_DONTDUMP)
+    for advice, wanted in ((getattr(mmap, "MADV_HUGEPAGE", None), huge),
+                           (getattr(mmap, "MADV_DONTDUMP", None), not dump)):
+        if wanted and advice is not None:
+            try:
+                buf.madvise(advice)
+            except OSError as e:  # a kernel built without THP: EINVAL, 4 KiB pages as before
+                log.debug("madvise(%d) refused: %s", advice, e)
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE if pad else 0
     return raw[start:start + nbytes]

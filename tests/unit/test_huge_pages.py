@@ -4,10 +4,15 @@ huge (MADV_HUGEPAGE, VmFlags "hg"), and SPLITSERVE_HUGE_PAGES=0 moves nothing.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.layers import huge_pages
+
+needs_thp = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                               reason="this kernel has no transparent huge pages: MADV_HUGEPAGE is refused")
 
 
 def vm_flags(ptr: int) -> list[str]:
@@ -57,11 +62,16 @@ def test_moved_tensors_keep_values_views_and_sharing() -> None:
     half[0, 0] = 7.0
     assert big[150, 0] == 7.0
     assert small.data_ptr() == small_ptr  # too small to move
-    # One arena, from a 2 MiB boundary, asked for huge pages.
-    base = min(big.data_ptr(), blocks.data_ptr())
-    assert base % huge_pages.HUGE_PAGE == 0
-    assert all("hg" in vm_flags(t.data_ptr()) for t in (big, panels, blocks))
+    # One arena, from a 2 MiB boundary.
     assert len({t.untyped_storage().data_ptr() for t in (big, half, panels, blocks)}) == 1
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0  # the first storage, at the arena's start
+
+
+@needs_thp
+def test_the_arena_asks_for_huge_pages() -> None:
+    t = torch.randn(1 << 20)
+    assert huge_pages.move_to_huge_pages([t]) == 4 << 20
+    assert "hg" in vm_flags(t.data_ptr())
 
 
 def test_switched_off_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +85,7 @@ def test_switched_off_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "dd" in vm_flags(kv.data_ptr())
 
 
+@needs_thp
 def test_kv_cache_zeros_alone_in_its_mapping_out_of_core_dumps() -> None:
     """The soak test (tests/integration/test_failover.py, rss_outside) finds
     the cache in smaps by these: its size and "dd"."""
