@@ -69,8 +69,9 @@ def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A KV cache of zeros whose pages the OS fills on first use (torch.zeros
     would write all of them on the start-up path: 5 s for 5 GiB on one core),
     on huge pages where enabled().  It stays out of core dumps: gigabytes, and
-    what the users' prompts made.  So flagged, its mapping is also never merged
-    with a neighbour: /proc/PID/smaps shows it alone, at its size."""
+    what the users' prompts made.  So flagged, its mapping merges with no
+    neighbour but another such cache: /proc/PID/smaps shows a worker's alone,
+    at its size."""
     return anonymous_bytes(math.prod(shape) * dtype.itemsize, enabled(), dump=False).view(dtype).view(shape)
 
 
