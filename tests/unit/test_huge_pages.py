@@ -86,14 +86,16 @@ def test_switched_off_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_thp
-def test_kv_cache_zeros_alone_in_its_mapping_out_of_core_dumps() -> None:
-    """The soak test (tests/integration/test_failover.py, rss_outside) finds
-    the cache in smaps by these: its size and "dd"."""
+def test_kv_cache_zeros_on_huge_pages_out_of_core_dumps() -> None:
+    """The soak test (tests/integration/test_failover.py, rss_outside) tells
+    a worker's caches from the rest of its memory in smaps by "dd".  (In one
+    process with other caches, as here under pytest, a neighbour flagged
+    alike may share the mapping.)"""
     kv = huge_pages.kv_cache_zeros((100, 30, 2, 16, 3, 64), torch.float8_e4m3fn)
     assert kv.shape == (100, 30, 2, 16, 3, 64) and kv.dtype == torch.float8_e4m3fn
     assert not kv.view(torch.uint8).any()
     flags = vm_flags(kv.data_ptr())
     assert "dd" in flags and "hg" in flags
-    assert mapping_size(kv.data_ptr()) == kv.numel()
+    assert mapping_size(kv.data_ptr()) >= kv.numel()
     kv[7, 3, 1] = 1.5  # writable, and only there
     assert kv.float().sum() == 1.5 * 16 * 3 * 64
