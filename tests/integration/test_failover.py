@@ -225,23 +225,21 @@ def rss_outside(pid: int, mib: float) -> int:
     fills them page by page as blocks are first used, so that their RSS grows
     until every block has held a token once, and never past their size."""
     total, caches = 0, 0.0
-    maps: list[tuple[str, float, int, list[str]]] = []  # path, size in MiB, rss, VmFlags
+    path, size, rss = "", 0.0, 0
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             fields = line.split()
             if not fields[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode, path
-                maps.append((" ".join(fields[5:]), 0.0, 0, []))
+                path = " ".join(fields[5:])
             elif fields[0] == "Size:":
-                maps[-1] = (maps[-1][0], int(fields[1]) / 1024, 0, [])
+                size = int(fields[1]) / 1024
             elif fields[0] == "Rss:":
-                maps[-1] = (*maps[-1][:2], int(fields[1]) * 1024, [])
-            elif fields[0] == "VmFlags:":
-                maps[-1] = (*maps[-1][:3], fields[1:])
-    for path, size, rss, flags in maps:
-        if not path and "dd" in flags:
-            caches += size
-        else:
-            total += rss
+                rss = int(fields[1]) * 1024
+            elif fields[0] == "VmFlags:":  # a mapping's last line
+                if not path and "dd" in fields[1:]:
+                    caches += size
+                else:
+                    total += rss
     assert caches > mib - 0.06, f"{pid}'s smaps: {caches:.1f} MiB of anonymous mappings out of core dumps, " \
                                 f"not its {mib} MiB KV cache"
     return total
