@@ -43,6 +43,10 @@ class AttentionMetadata:
     # (prompt tokens under prefill_dtype bfloat16, where the CPU kernel can);
     # empty: none.
     bf16_rows: list[int] = field(default_factory=list)
+    # Whether the decodes' scores are taken in bfloat16 pairs (generated tokens
+    # under decode_dtype bfloat16 or bfloat16-weights, where the CPU kernel can:
+    # its bf16_dots).
+    bf16_decodes: bool = False
     # What a backend derives once per step and reuses in every layer (keyed by the backend).
     per_step: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -132,7 +136,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         # Decodes only (every single-stream step): the whole batch, no slices.
         qd, tables, lens = ((q, meta.block_tables, meta.seq_lens) if nd == meta.num_seqs
                             else (q[:nd], meta.block_tables[:nd], meta.seq_lens[:nd]))
-        o = kernel.paged_decode_attention(qd, kv_cache, layer, tables, lens, scale * s, window or 0)
+        o = kernel.paged_decode_attention(qd, kv_cache, layer, tables, lens, scale * s, window or 0,
+                                          meta.bf16_decodes)
         parts.append(o if s == 1.0 else o * s)
     elif nd:
         parts.append(_torch_decodes(q[:nd], kv_cache, layer, meta, scale, window, softcap))

@@ -50,7 +50,8 @@ class DecodeStack:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.stack.forward(x, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return self.stack.forward(x, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  meta.bf16_decodes)
 
 
 def build(model: Any, kv_cache: torch.Tensor) -> DecodeStack | None:

@@ -126,3 +126,39 @@ def test_cpu_kernel_widens_every_value_as_torch_does(dtype: torch.dtype, build: 
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan], want[~nan])  # -0.0 sums to +0.0 in the output: == compares values
+
+
+def test_bf16_scores_read_every_key_byte_as_the_float32_scores_do() -> None:
+    """The keys of scores in bfloat16 pairs (bf16_dots) go through a table of
+    their own: all 256 e4m3fn bytes, and a spread of bfloat16 patterns, each
+    the one key value of a score whose query is exact in bfloat16 (1/64, so
+    no score saturates the softmax), give the float32 path's output bit for
+    bit (NaN stays NaN)."""
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    if not kernel.decode_bf16_supported():
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel's scores stay float32")
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        if dtype == torch.bfloat16:
+            extra = torch.tensor([0x0001, 0x8001, 0x007f, 0x3c01, 0xc2ff])  # subnormals, odd mantissas
+            bits = torch.cat([torch.arange(0, 65536, 257), extra])
+            stored = bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+        else:
+            stored = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+        n, d = stored.numel(), 64
+        # Sequence i: position 0's key holds byte i in its first value, position 1's key is zero;
+        # values e_0 and e_1, so the output's first two values are the two softmax weights.
+        cache = torch.zeros(n, 1, 2, 16, 1, d, dtype=dtype)
+        cache[:, 0, 0, 0, 0, 0] = stored
+        cache[:, 0, 1, 0, 0, 0] = 1
+        cache[:, 0, 1, 1, 0, 1] = 1
+        q = torch.zeros(n, 1, d)
+        q[:, 0, 0] = 1.0
+        tables = torch.arange(n, dtype=torch.int32)[:, None]
+        lens = torch.full((n,), 2, dtype=torch.int32)
+        plain, paired = (kernel.paged_decode_attention(q, cache, 0, tables, lens, 1 / 64, 0, bf16) for bf16 in
+                         (False, True))
+        nan = plain.isnan()
+        assert torch.equal(paired.isnan(), nan)
+        assert torch.equal(paired[~nan], plain[~nan])
+        assert nan[:, 0, 0].sum().item() == stored.float().isnan().sum().item()  # e4m3fn: 0x7f and 0xff

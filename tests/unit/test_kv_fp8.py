@@ -9,7 +9,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.layers.attention import paged_attention
-from engine.layers.kv_quant import FP8_DTYPES, dequantize, quantize, resolve_kv_dtype
+from engine.layers.kv_quant import FP8_DTYPES, KV_SCALE, dequantize, quantize, resolve_kv_dtype
 from tests.unit.test_triton_attention import (
     LAYER,
     MIXED_BATCH,
@@ -97,3 +97,43 @@ def test_triton_reads_fp8(dtype: torch.dtype) -> None:
     # Triton reads every key from the cache, a fresh prefill's too: the rounded reference everywhere.
     assert (out - ref).abs().max().item() < 1e-4
     _close_to_float(out, expected, dtype)
+
+
+# Decodes only, one of them past a span (128 positions): the kernel's decode path.
+DECODES = [(1, 1), (1, 7), (1, 17), (1, 40), (1, 150), (1, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float8_e5m2, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_scores_in_bf16_pairs(dtype: torch.dtype, head_dim: int) -> None:
+    """bf16_dots (generated tokens under bfloat16 decodes): over an e4m3fn or a
+    bfloat16 cache the decode kernel takes its scores from the query, scaled,
+    rounded to bfloat16 and the keys as stored, so it matches the torch path
+    given that query (to float32 rounding) and differs from the float32
+    scores; over any other cache the flag changes no bit."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+
+    kernel = load_cpu_kernel()
+    assert kernel is not None
+    if not kernel.decode_bf16_supported():
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel's scores stay float32")
+    gen = torch.Generator().manual_seed(23)
+    heads = (9, 3) if head_dim == 64 else (8, 2)  # three and four query heads a KV head
+    q, k_new, v_new, cache32, meta, _ = _make_step(DECODES, 16, *heads, head_dim, gen)
+    cache = quantize(cache32, dtype)
+    scale = head_dim ** -0.5
+    s = KV_SCALE if dtype in FP8 else 1.0
+
+    def kernel_out(bf16_dots: bool) -> torch.Tensor:
+        out = kernel.paged_decode_attention(q, cache, LAYER, meta.block_tables, meta.seq_lens, scale * s, 0,
+                                            bf16_dots)
+        return out * s
+
+    plain, paired = kernel_out(False), kernel_out(True)
+    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        assert torch.equal(plain, paired)
+        return
+    q_rounded = (q * (scale * s)).bfloat16().float() / s  # what the kernel multiplies the keys by, over s
+    ref = paged_attention(q_rounded, k_new, v_new, cache, LAYER, meta, 1.0, use_kernel=False)
+    assert (paired - ref).abs().max().item() < 1e-5
+    assert (plain - ref).abs().max().item() > 1e-4  # the rounding shows: the flag took the other path

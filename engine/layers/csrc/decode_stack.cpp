@@ -96,7 +96,7 @@ struct Layer {
 
 // paged_attention_cpu.cpp's paged_decode_attention.
 using DecodeAttention = at::Tensor (*)(at::Tensor q, at::Tensor kv_cache, int64_t layer, at::Tensor block_tables,
-                                       at::Tensor seq_lens, double scale, int64_t window);
+                                       at::Tensor seq_lens, double scale, int64_t window, bool bf16_dots);
 constexpr const char* kAttentionCapsule = "splitserve.paged_decode_attention";
 
 class DecodeStack {
@@ -112,10 +112,11 @@ class DecodeStack {
 
   // x: [B, hidden] float32, one generated token per sequence, updated in place
   // (the residual stream) and returned; cos, sin: the rows' rope values;
-  // block_tables [B, max_blocks] and seq_lens [B] as the attention takes them.
+  // block_tables [B, max_blocks] and seq_lens [B] as the attention takes them;
+  // bf16_dots: the attention's scores in bfloat16 pairs (its bf16_dots).
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens) const {
+                     const at::Tensor& seq_lens, bool bf16_dots) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "DecodeStack.forward: x must be a contiguous float32 [B, hidden]");
     TORCH_CHECK(block_tables.size(0) == x.size(0) && seq_lens.numel() == x.size(0),
@@ -127,7 +128,7 @@ class DecodeStack {
       if (l.k_norm) norm_heads(qkv, q_size_, num_kv_heads_, *l.k_norm, l.k_eps);
       const auto qk = rope_and_store_kv(qkv, cos, sin, kv_cache, l.index, slot_mapping, num_heads_, num_kv_heads_);
       at::Tensor o = attention_(std::get<0>(qk), kv_cache, l.index, block_tables, seq_lens, scale_ * kv_scale_,
-                                l.window);
+                                l.window, bf16_dots);
       if (kv_scale_ != 1.0) o = o * kv_scale_;  // an fp8 cache's scale, as paged_attention applies it
       o = l.o(o.reshape({t, q_size_}));
       // x += o inside the norm (its residual), then the MLP's output added to x.
@@ -188,5 +189,5 @@ void def_decode_stack(py::module_& m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "x (updated in place) after every layer, for a step of one generated token a sequence",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
-           py::arg("block_tables"), py::arg("seq_lens"));
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("bf16_dots") = false);
 }

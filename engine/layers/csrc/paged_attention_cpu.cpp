@@ -29,6 +29,7 @@
 #include "prefetch.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -260,26 +261,35 @@ inline void load_row(const T* r, f32x16 (&v)[C]) {
 // tests/unit/test_kv_bf16.py widens all 256 bytes through it): 30 layers' decode
 // attention of 32 sequences at context 125 on a Zen 5 (family 26 model 2),
 // 2.57 ms through e4m3x16, 2.21 ms through this (e5m2: 1.97 ms).
-constexpr uint16_t e4m3_half_bits(int m) {
+//
+// A magnitude m's bits in a 16-bit float with exponent bias B and M mantissa
+// bits (float16: 15, 10; bfloat16: 127, 7; both hold every e4m3fn value),
+// NaN as `nan`.
+template <int B, int M, uint16_t NaN>
+constexpr uint16_t e4m3_bits(int m) {
   const int e = m >> 3, f = m & 7;
-  if (m == 0x7f) return 0x7e00;
-  if (e > 0) return static_cast<uint16_t>(((e + 8) << 10) | (f << 7));  // 2^(e - 7) (1 + f/8)
+  if (m == 0x7f) return NaN;
+  if (e > 0) return static_cast<uint16_t>(((e - 7 + B) << M) | (f << (M - 3)));  // 2^(e - 7) (1 + f/8)
   if (f == 0) return 0;
-  int top = 2;  // a subnormal, f 2^-9: a normal float16 with f's leading bit as its own
+  int top = 2;  // a subnormal, f 2^-9: a normal value with f's leading bit as its own
   while (!(f >> top)) --top;
-  return static_cast<uint16_t>(((top + 6) << 10) | ((f << (10 - top)) & 0x3ff));
+  return static_cast<uint16_t>(((top - 9 + B) << M) | ((f << (M - top)) & ((1 << M) - 1)));
 }
 
+// A 16-bit pattern per byte magnitude (0-127), as its high and low bytes.
+template <uint16_t (*Bits)(int)>
 struct E4m3Table {
   alignas(64) uint8_t hi[128], lo[128];
   constexpr E4m3Table() : hi(), lo() {
     for (int m = 0; m < 128; ++m) {
-      hi[m] = static_cast<uint8_t>(e4m3_half_bits(m) >> 8);
-      lo[m] = static_cast<uint8_t>(e4m3_half_bits(m) & 0xff);
+      hi[m] = static_cast<uint8_t>(Bits(m) >> 8);
+      lo[m] = static_cast<uint8_t>(Bits(m) & 0xff);
     }
   }
 };
-inline constexpr E4m3Table kE4m3Table{};
+inline constexpr E4m3Table<e4m3_bits<15, 10, 0x7e00>> kE4m3Table{};  // float16
+// bfloat16: the key rows of scores in bfloat16 pairs (dot_rows_nh's BF).
+inline constexpr E4m3Table<e4m3_bits<127, 7, 0x7fc0>> kE4m3Bf16Table{};
 
 // Byte indices into (lo, hi) that interleave them into the float16s of
 // values 0-31 (kE4m3Pairs[0]) and 32-63 (kE4m3Pairs[1]).
@@ -295,20 +305,27 @@ struct E4m3Pairs {
 };
 inline constexpr E4m3Pairs kE4m3Pairs{};
 
-inline void e4m3x64(const void* r, f32x16* v) {
+// 64 e4m3fn bytes as `t`'s 16-bit words, in order: values 0-31 in w[0], 32-63 in w[1].
+template <typename Table>
+inline void e4m3_words(const void* r, const Table& t, __m512i (&w)[2]) {
   const __m512i b = _mm512_loadu_si512(r);
-  const __m512i t_hi0 = _mm512_load_si512(kE4m3Table.hi), t_hi1 = _mm512_load_si512(kE4m3Table.hi + 64);
-  const __m512i t_lo0 = _mm512_load_si512(kE4m3Table.lo), t_lo1 = _mm512_load_si512(kE4m3Table.lo + 64);
+  const __m512i t_hi0 = _mm512_load_si512(t.hi), t_hi1 = _mm512_load_si512(t.hi + 64);
+  const __m512i t_lo0 = _mm512_load_si512(t.lo), t_lo1 = _mm512_load_si512(t.lo + 64);
   // Bit 7 of an index is ignored, bit 6 picks the second register: entry b & 0x7f.
   const __m512i lo = _mm512_permutex2var_epi8(t_lo0, b, t_lo1);
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t_hi0, b, t_hi1), b,
                                                _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // | b & 0x80
-  const __m512i h0 = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[0]), hi);
-  const __m512i h1 = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[1]), hi);
-  v[0] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h0)));
-  v[1] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)));
-  v[2] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h1)));
-  v[3] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1)));
+  w[0] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[0]), hi);
+  w[1] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kE4m3Pairs.idx[1]), hi);
+}
+
+inline void e4m3x64(const void* r, f32x16* v) {
+  __m512i h[2];
+  e4m3_words(r, kE4m3Table, h);
+  v[0] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h[0])));
+  v[1] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h[0], 1)));
+  v[2] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_castsi512_si256(h[1])));
+  v[3] = reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h[1], 1)));
 }
 
 template <int C>
@@ -462,50 +479,110 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
 #endif
 }
 
+// Decode scores in bfloat16 pairs (paged_decode_attention's bf16_dots, asked
+// for where a step's generated rows already meet bfloat16 weights): the
+// query, scaled, rounded to bfloat16 once; key rows widened to bfloat16, which
+// holds every e4m3fn and bfloat16 value exactly, so each product is exact and
+// only the query's rounding differs from the float32 scores (far below an
+// fp8 key's own: 3 bits of mantissa against 8).  Two dot products a head and
+// row where float32 took four multiplies, and no float16 widening.  Other
+// caches and builds keep the float32 scores.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#define SPLITSERVE_BF16_DOTS 1
+template <typename T>
+constexpr bool kBf16Keys = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::BFloat16>;
+
+// A key row's D values as C = D / 32 vectors of bfloat16 pairs, in order.
+template <int C>
+inline void load_row_bf16(const c10::Float8_e4m3fn* r, __m512bh (&w)[C]) {
+  static_assert(C % 2 == 0, "e4m3fn rows are widened 64 values at a time");
+  for (int c = 0; c < C; c += 2) {
+    __m512i h[2];
+    e4m3_words(r + 32 * c, kE4m3Bf16Table, h);
+    w[c] = (__m512bh)h[0];
+    w[c + 1] = (__m512bh)h[1];
+  }
+}
+template <int C>
+inline void load_row_bf16(const c10::BFloat16* r, __m512bh (&w)[C]) {
+  for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_loadu_si512(r + 32 * c);
+}
+#else
+template <typename T>
+constexpr bool kBf16Keys = false;
+#endif
+
 // s[g * s_stride + i] = q[g * D : + D] . rows[i * stride : + D] for i < n,
 // 16 positions at a time, for NH query heads that share a KV head: each key
 // row is read and widened once for all of them; per head a row's products
-// summed in one register, then 16 of them across lanes (lane_sums).
-template <int D, int NH, typename T>
+// summed in one register, then 16 of them across lanes (lane_sums).  BF: the
+// products in bfloat16 pairs (above; kBf16Keys rows, D a multiple of 64).
+template <int D, int NH, bool BF, typename T>
 inline void dot_rows_nh(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
                         float* __restrict__ s, int64_t s_stride) {
-  constexpr int C = D / 16;
-  f32x16 qv[NH][C];
-  for (int g = 0; g < NH; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = *reinterpret_cast<const f32x16_u*>(q + g * D + 16 * c);
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
-    f32x16 part[NH][16];
-    for (int j = 0; j < 16; ++j) {
-      if (j < m) {
-        const T* r = rows + (i0 + j) * stride;
+  // One row's NH register sums: float32 products, or bfloat16 pairs.
+  auto row_sums = [&] {
+#if defined(SPLITSERVE_BF16_DOTS)
+    if constexpr (BF) {
+      constexpr int C = D / 32;
+      std::array<std::array<__m512bh, C>, NH> qv;
+      for (int g = 0; g < NH; ++g)
+        for (int c = 0; c < C; ++c)  // the second argument fills the low half: values in order
+          qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
+      return [qv](const T* r, f32x16 (&sums)[NH]) {
+        __m512bh row[C];
+        load_row_bf16<C>(r, row);
+        for (int g = 0; g < NH; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, row[c], qv[g][c]);
+          sums[g] = reinterpret_cast<f32x16>(acc);
+        }
+      };
+    } else
+#endif
+    {
+      static_assert(!BF, "bfloat16 pairs need AVX512-BF16 and AVX512-VBMI");
+      constexpr int C = D / 16;
+      std::array<std::array<f32x16, C>, NH> qv;
+      for (int g = 0; g < NH; ++g)
+        for (int c = 0; c < C; ++c) qv[g][c] = *reinterpret_cast<const f32x16_u*>(q + g * D + 16 * c);
+      return [qv](const T* r, f32x16 (&sums)[NH]) {
         f32x16 row[C];
         load_row<C>(r, row);
         for (int g = 0; g < NH; ++g) {
           f32x16 acc = {};
           for (int c = 0; c < C; ++c) acc += qv[g][c] * row[c];
-          part[g][j] = acc;
+          sums[g] = acc;
         }
-      } else {
-        for (int g = 0; g < NH; ++g) part[g][j] = f32x16{};
-      }
+      };
+    }
+  }();
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    f32x16 part[NH][16];
+    for (int j = 0; j < 16; ++j) {
+      f32x16 sums[NH];
+      if (j < m) row_sums(rows + (i0 + j) * stride, sums);
+      else
+        for (int g = 0; g < NH; ++g) sums[g] = f32x16{};
+      for (int g = 0; g < NH; ++g) part[g][j] = sums[g];
     }
     for (int g = 0; g < NH; ++g) {
-      const f32x16 sums = lane_sums(part[g]);
-      if (m == 16) *reinterpret_cast<f32x16_u*>(s + g * s_stride + i0) = sums;
-      else std::memcpy(s + g * s_stride + i0, &sums, m * sizeof(float));
+      const f32x16 lanes = lane_sums(part[g]);
+      if (m == 16) *reinterpret_cast<f32x16_u*>(s + g * s_stride + i0) = lanes;
+      else std::memcpy(s + g * s_stride + i0, &lanes, m * sizeof(float));
     }
   }
 }
 
-template <int D, typename T>
+template <int D, bool BF, typename T>
 inline void dot_rows_heads(const float* __restrict__ q, const T* __restrict__ rows, int64_t stride, int64_t n,
                            float* __restrict__ s, int64_t s_stride, int64_t nh) {
   switch (nh) {
-    case 1: return dot_rows_nh<D, 1>(q, rows, stride, n, s, s_stride);
-    case 2: return dot_rows_nh<D, 2>(q, rows, stride, n, s, s_stride);
-    case 3: return dot_rows_nh<D, 3>(q, rows, stride, n, s, s_stride);
-    default: return dot_rows_nh<D, 4>(q, rows, stride, n, s, s_stride);
+    case 1: return dot_rows_nh<D, 1, BF>(q, rows, stride, n, s, s_stride);
+    case 2: return dot_rows_nh<D, 2, BF>(q, rows, stride, n, s, s_stride);
+    case 3: return dot_rows_nh<D, 3, BF>(q, rows, stride, n, s, s_stride);
+    default: return dot_rows_nh<D, 4, BF>(q, rows, stride, n, s, s_stride);
   }
 }
 
@@ -523,7 +600,8 @@ struct Partial {
 // chain of reductions, a scalar exp and a rescale of the accumulators between
 // every 16 positions; a span's scores fit in L1 (Hq x 128 floats), and its
 // values, asked for during the first pass, wait in L2 for the second.
-template <typename scalar_t, int D_>
+// BF: the scores in bfloat16 pairs (dot_rows_bf16_nh; kBf16Keys caches only).
+template <typename scalar_t, int D_, bool BF>
 void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
           int64_t t0, int64_t t1, const float* __restrict__ qf, int64_t Hq, int64_t Hkv,
           int64_t D_dyn, int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t s_head,
@@ -578,7 +656,8 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
         auto dots = [&](const auto* krows, int64_t kstride) {
           for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t h = hk * G + g0;
-            dot_rows_heads<D_>(qf + h * D, krows, kstride, n, sb + h * PT, PT, std::min<int64_t>(4, G - g0));
+            constexpr bool pairs = BF && kBf16Keys<std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>>;
+            dot_rows_heads<D_, pairs>(qf + h * D, krows, kstride, n, sb + h * PT, PT, std::min<int64_t>(4, G - g0));
           }
         };
         if constexpr (RowLoad<scalar_t>::value) {
@@ -668,7 +747,7 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
 template <typename scalar_t, typename cache_t, int D_>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   double scale, int64_t window, at::Tensor& out) {
+                   double scale, int64_t window, bool bf16_dots, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1);
   const int64_t D = D_ > 0 ? D_ : q.size(2);
   const int64_t bs = kv.size(3), Hkv = kv.size(4);
@@ -700,6 +779,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
     for (int64_t i = first[b]; i < first[b + 1]; ++i) task_seq[i] = b;
 
   const int64_t block_kv_bytes = (s_kv + bs * s_tok) * static_cast<int64_t>(sizeof(cache_t));  // K, then V
+  // span's BF where it applies (kBf16Keys, whole 64-value rows).
+  auto span_fn = span<cache_t, D_, false>;
+  if constexpr (kBf16Keys<cache_t> && D_ > 0 && D_ % 64 == 0)
+    if (bf16_dots) span_fn = span<cache_t, D_, true>;
   // Spans of each sequence not yet done: the thread that finishes its last
   // one merges them (in span order, so the same bits whichever thread it is),
   // where a second parallel region after the spans cost a dispatch a layer.
@@ -764,8 +847,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
         const char* nblk = reinterpret_cast<const char*>(base + bt[nb * bt_stride + nt0 / bs] * s_blk);
         for (int64_t c = 0; c < block_kv_bytes; c += 64) prefetch_line(nblk + c);
       }
-      span<cache_t, D_>(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv,
-                         s_tok, s_head, p, scores.data(), kv_f.data());
+      span_fn(base, bt + b * bt_stride, t0, t1, qf.data(), Hq, Hkv, D, bs, s_blk, s_kv, s_tok, s_head, p, scores.data(),
+          kv_f.data());
       if (first[b + 1] - first[b] == 1) {  // one span: normalised here, as a merge would
         for (int64_t h = 0; h < Hq; ++h) {
           const float inv = 1.f / p.l[h];
@@ -782,11 +865,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
 // The head size as a compile-time constant where it is a common one.
 template <typename scalar_t, typename cache_t>
 void decode_heads(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
+                  const at::Tensor& seq_lens, double scale, int64_t window, bool bf16_dots, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: decode_kernel<scalar_t, cache_t, 64>(q, kv, layer, block_tables, seq_lens, scale, window, out); break;
-    case 128: decode_kernel<scalar_t, cache_t, 128>(q, kv, layer, block_tables, seq_lens, scale, window, out); break;
-    default: decode_kernel<scalar_t, cache_t, 0>(q, kv, layer, block_tables, seq_lens, scale, window, out);
+    case 64:
+      decode_kernel<scalar_t, cache_t, 64>(q, kv, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
+      break;
+    case 128:
+      decode_kernel<scalar_t, cache_t, 128>(q, kv, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
+      break;
+    default: decode_kernel<scalar_t, cache_t, 0>(q, kv, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
   }
 }
 
@@ -1678,7 +1765,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, int64_t layer, co
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t layer,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, bool bf16_dots) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 6, "paged_decode_attention: bad ranks");
   TORCH_CHECK(kv_cache.stride(5) == 1, "kv_cache: last dim must be contiguous");
   const auto cache_type = kv_cache.scalar_type();
@@ -1695,15 +1782,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache, int64_t lay
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (cache_type == at::kFloat8_e4m3fn)
-      decode_heads<scalar_t, c10::Float8_e4m3fn>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+      decode_heads<scalar_t, c10::Float8_e4m3fn>(q, kv_cache, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
     else if (cache_type == at::kFloat8_e5m2)
-      decode_heads<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+      decode_heads<scalar_t, c10::Float8_e5m2>(q, kv_cache, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
     else if (cache_type == at::kBFloat16)
-      decode_heads<scalar_t, c10::BFloat16>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+      decode_heads<scalar_t, c10::BFloat16>(q, kv_cache, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
     else if (cache_type == at::kHalf)
-      decode_heads<scalar_t, c10::Half>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+      decode_heads<scalar_t, c10::Half>(q, kv_cache, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
     else
-      decode_heads<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, seq_lens, scale, window, out);
+      decode_heads<scalar_t, scalar_t>(q, kv_cache, layer, block_tables, seq_lens, scale, window, bf16_dots, out);
   });
   return out;
 }
@@ -1779,7 +1866,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "paged decode attention (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("bf16_dots") = false);
   m.def("paged_prefill_attention", &paged_prefill_attention, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "causal attention of prefill queries over the paged cache (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("query_lens"),
@@ -1791,6 +1878,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "paged_decode_attention as a C function pointer");
   // Whether bf16_rows can be given: this build has AVX512-BF16.
   m.def("prefill_bf16_supported", [] { return prefill::HAS_BF16; });
+  // Whether bf16_dots changes a decode's arithmetic here (this build, fp8 e4m3 and bfloat16 caches).
+  m.def("decode_bf16_supported", [] {
+#if defined(SPLITSERVE_BF16_DOTS)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("prefill_amx", [] {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     return splitserve_amx::tiles_allowed();
