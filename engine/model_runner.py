@@ -279,11 +279,12 @@ class ModelRunner:
         self.decodes = ""
         if decodes != "auto":
             self.prompt_rows = self._decodes(decodes)
-        # Generated tokens whose projections take bfloat16 inputs take their
-        # attention scores in bfloat16 pairs too, where the CPU kernel can
-        # (paged_decode_attention's bf16_dots: fp8 e4m3 and bfloat16 caches).
-        # Zen 5 (family 26 model 2), 30 layers of 32 sequences over an e4m3
-        # cache: 1.79 -> 1.56 ms at context 112, 5.39 -> 4.81 at 300.
+        # Generated tokens whose projections take bfloat16 inputs attend in
+        # bfloat16 pairs too, where the CPU kernel can (paged_decode_attention's
+        # bf16_dots over fp8 e4m3 and bfloat16 caches: the query and the
+        # softmax's weights rounded to bfloat16, keys and values exact).  Zen 5
+        # (family 26 model 2), 30 layers of 32 sequences over an e4m3 cache:
+        # 1.85 -> 1.47 ms at context 112, 5.16 -> 4.41 at 300.
         attention = load_cpu_kernel() if self.device.type == "cpu" else None
         self.bf16_decode_attention = (self.decodes in ("bfloat16", "bfloat16-weights")
                                       and attention is not None and attention.decode_bf16_supported())

@@ -43,9 +43,9 @@ class AttentionMetadata:
     # (prompt tokens under prefill_dtype bfloat16, where the CPU kernel can);
     # empty: none.
     bf16_rows: list[int] = field(default_factory=list)
-    # Whether the decodes' scores are taken in bfloat16 pairs (generated tokens
-    # under decode_dtype bfloat16 or bfloat16-weights, where the CPU kernel can:
-    # its bf16_dots).
+    # Whether the decodes attend in bfloat16 pairs (generated tokens under
+    # decode_dtype bfloat16 or bfloat16-weights, where the CPU kernel can: its
+    # bf16_dots).
     bf16_decodes: bool = False
     # What a backend derives once per step and reuses in every layer (keyed by the backend).
     per_step: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -132,12 +132,16 @@ def test_bf16_scores_read_every_key_byte_as_the_float32_scores_do() -> None:
     """The keys of scores in bfloat16 pairs (bf16_dots) go through a table of
     their own: all 256 e4m3fn bytes, and a spread of bfloat16 patterns, each
     the one key value of a score whose query is exact in bfloat16 (1/64, so
-    no score saturates the softmax), give the float32 path's output bit for
-    bit (NaN stays NaN)."""
+    no score saturates the softmax), give the float32 path's score bit for
+    bit.  Two positions, that key's and a zero key, with values e_0 and e_1:
+    the larger weight is 1 (exact in bfloat16), so that output value, 1 / the
+    weights' sum, is the float32 path's bit for bit only where the score is;
+    the other is within its weight's rounding to bfloat16 (2**-8 of itself,
+    bfloat16 keeping 8 significant bits); NaN stays NaN."""
     kernel = load_cpu_kernel()
     assert kernel is not None
     if not kernel.decode_bf16_supported():
-        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel's scores stay float32")
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel stays in float32")
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):
         if dtype == torch.bfloat16:
             extra = torch.tensor([0x0001, 0x8001, 0x007f, 0x3c01, 0xc2ff])  # subnormals, odd mantissas
@@ -146,8 +150,6 @@ def test_bf16_scores_read_every_key_byte_as_the_float32_scores_do() -> None:
         else:
             stored = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
         n, d = stored.numel(), 64
-        # Sequence i: position 0's key holds byte i in its first value, position 1's key is zero;
-        # values e_0 and e_1, so the output's first two values are the two softmax weights.
         cache = torch.zeros(n, 1, 2, 16, 1, d, dtype=dtype)
         cache[:, 0, 0, 0, 0, 0] = stored
         cache[:, 0, 1, 0, 0, 0] = 1
@@ -156,9 +158,13 @@ def test_bf16_scores_read_every_key_byte_as_the_float32_scores_do() -> None:
         q[:, 0, 0] = 1.0
         tables = torch.arange(n, dtype=torch.int32)[:, None]
         lens = torch.full((n,), 2, dtype=torch.int32)
-        plain, paired = (kernel.paged_decode_attention(q, cache, 0, tables, lens, 1 / 64, 0, bf16) for bf16 in
-                         (False, True))
-        nan = plain.isnan()
-        assert torch.equal(paired.isnan(), nan)
-        assert torch.equal(paired[~nan], plain[~nan])
-        assert nan[:, 0, 0].sum().item() == stored.float().isnan().sum().item()  # e4m3fn: 0x7f and 0xff
+        plain, paired = (kernel.paged_decode_attention(q, cache, 0, tables, lens, 1 / 64, 0, bf16)[:, 0, :2]
+                         for bf16 in (False, True))
+        nan = plain.isnan().any(1)
+        assert torch.equal(paired.isnan().any(1), nan)
+        assert nan.sum().item() == stored.float().isnan().sum().item()  # e4m3fn: 0x7f and 0xff
+        top = plain[~nan].argmax(1, keepdim=True)  # the weight 1's output
+        assert torch.equal(paired[~nan].gather(1, top), plain[~nan].gather(1, top))
+        other = 1 - top
+        assert ((paired[~nan].gather(1, other) - plain[~nan].gather(1, other)).abs()
+                <= 1.001 * 2.0 ** -8 * plain[~nan].gather(1, other)).all()

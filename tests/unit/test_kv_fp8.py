@@ -103,37 +103,63 @@ def test_triton_reads_fp8(dtype: torch.dtype) -> None:
 DECODES = [(1, 1), (1, 7), (1, 17), (1, 40), (1, 150), (1, 300)]
 
 
+def _decode_rows(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's keys and values from the paged cache, dequantized: [length, Hkv, D] each."""
+    blocks = dequantize(cache[table.long(), LAYER], torch.float32)  # [nb, 2, bs, Hkv, D]
+    k, v = (blocks[:, i].flatten(0, 1)[:length] for i in (0, 1))
+    return k, v
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float8_e5m2, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_scores_in_bf16_pairs(dtype: torch.dtype, head_dim: int) -> None:
+def test_decode_attention_in_bf16_pairs(dtype: torch.dtype, head_dim: int) -> None:
     """bf16_dots (generated tokens under bfloat16 decodes): over an e4m3fn or a
     bfloat16 cache the decode kernel takes its scores from the query, scaled,
-    rounded to bfloat16 and the keys as stored, so it matches the torch path
-    given that query (to float32 rounding) and differs from the float32
-    scores; over any other cache the flag changes no bit."""
+    rounded to bfloat16, and the keys as stored, and weighs the values, as
+    stored, by the softmax's weights rounded to bfloat16.  So it is the
+    attention of that query to within the weights' rounding (each off by up
+    to 2**-8 of itself; bounded here by 2**-7 of the sum of weights times
+    |values|), and it
+    differs from the float32 kernel's; with every key zero (weights 1, exact)
+    it is the values' mean to float32 rounding.  Over any other cache the flag
+    changes no bit."""
     from engine.layers.cpu_attention import load_cpu_kernel
 
     kernel = load_cpu_kernel()
     assert kernel is not None
     if not kernel.decode_bf16_supported():
-        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel's scores stay float32")
+        pytest.skip("this CPU lacks AVX512-BF16 or AVX512-VBMI: the decode kernel stays in float32")
     gen = torch.Generator().manual_seed(23)
     heads = (9, 3) if head_dim == 64 else (8, 2)  # three and four query heads a KV head
-    q, k_new, v_new, cache32, meta, _ = _make_step(DECODES, 16, *heads, head_dim, gen)
+    q, _, _, cache32, meta, _ = _make_step(DECODES, 16, *heads, head_dim, gen)
     cache = quantize(cache32, dtype)
     scale = head_dim ** -0.5
     s = KV_SCALE if dtype in FP8 else 1.0
 
-    def kernel_out(bf16_dots: bool) -> torch.Tensor:
-        out = kernel.paged_decode_attention(q, cache, LAYER, meta.block_tables, meta.seq_lens, scale * s, 0,
+    def kernel_out(c: torch.Tensor, bf16_dots: bool) -> torch.Tensor:
+        out = kernel.paged_decode_attention(q, c, LAYER, meta.block_tables, meta.seq_lens, scale * s, 0,
                                             bf16_dots)
         return out * s
 
-    plain, paired = kernel_out(False), kernel_out(True)
+    plain, paired = kernel_out(cache, False), kernel_out(cache, True)
     if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         assert torch.equal(plain, paired)
         return
-    q_rounded = (q * (scale * s)).bfloat16().float() / s  # what the kernel multiplies the keys by, over s
-    ref = paged_attention(q_rounded, k_new, v_new, cache, LAYER, meta, 1.0, use_kernel=False)
-    assert (paired - ref).abs().max().item() < 1e-5
-    assert (plain - ref).abs().max().item() > 1e-4  # the rounding shows: the flag took the other path
+    q_rounded = (q * (scale * s)).bfloat16().double() / s  # what the kernel multiplies the keys by, over s
+    group = heads[0] // heads[1]
+    off_plain = 0.0
+    for b, length in enumerate(meta.seq_lens_host):
+        rows = _decode_rows(cache, meta.block_tables[b], length)
+        k, v = (x.double().repeat_interleave(group, dim=1) for x in rows)
+        w = torch.einsum("hd,lhd->hl", q_rounded[b], k).softmax(-1)  # [Hq, length]
+        ref = torch.einsum("hl,lhd->hd", w, v)
+        bound = 2.0 ** -7 * torch.einsum("hl,lhd->hd", w, v.abs()) + 1e-5
+        assert ((paired[b].double() - ref).abs() <= bound).all(), b
+        off_plain = max(off_plain, (plain[b].double() - ref).abs().max().item())
+    assert off_plain > 1e-5  # the rounding shows: the flag took the other path
+    zero_keys = cache.clone()
+    zero_keys[:, :, 0] = 0
+    for b, length in enumerate(meta.seq_lens_host):
+        _, v = _decode_rows(zero_keys, meta.block_tables[b], length)
+        mean = v.double().mean(0).repeat_interleave(group, dim=0)
+        assert (kernel_out(zero_keys, True)[b].double() - mean).abs().max().item() < 1e-5, b

@@ -11,6 +11,9 @@
 //   seq_lens:     [B] int32
 //   window:       > 0: a sequence of length L attends to its last `window`
 //                 positions only, L - window .. L - 1 (sliding window); 0: all
+//   bf16_dots:    scores and weighted values in bfloat16 pairs where the build
+//                 has AVX512-BF16 and VBMI and the cache is e4m3fn or bfloat16
+//                 (dot_rows_nh's and add_weighted_pairs_nh's BF); else float32
 //   returns       [B, Hq, D]
 //
 // A task is one sequence's span of up to PART_TOKENS positions, all heads at
@@ -364,22 +367,6 @@ inline void add_weighted_rows_nh(float* __restrict__ a, const float* __restrict_
 template <int D>
 constexpr int64_t kRowHeads = D <= 64 ? 4 : 2;
 
-// add_weighted_rows_nh for nh (1 .. kRowHeads<D>) heads.
-template <int D, typename T>
-inline void add_weighted_rows_heads(float* __restrict__ a, const float* __restrict__ p, int64_t p_stride,
-                                    const T* __restrict__ rows, int64_t stride, int64_t n, int64_t nh) {
-  if constexpr (kRowHeads<D> == 4) {
-    switch (nh) {
-      case 1: return add_weighted_rows_nh<D, 1>(a, p, p_stride, rows, stride, n);
-      case 2: return add_weighted_rows_nh<D, 2>(a, p, p_stride, rows, stride, n);
-      case 3: return add_weighted_rows_nh<D, 3>(a, p, p_stride, rows, stride, n);
-      default: return add_weighted_rows_nh<D, 4>(a, p, p_stride, rows, stride, n);
-    }
-  } else {
-    if (nh == 1) return add_weighted_rows_nh<D, 1>(a, p, p_stride, rows, stride, n);
-    return add_weighted_rows_nh<D, 2>(a, p, p_stride, rows, stride, n);
-  }
-}
 #endif
 
 // out[i] = op over the 16 lanes of v[i], i < 16: a tree of two-vector
@@ -480,7 +467,8 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
 }
 
 // Decode scores in bfloat16 pairs (paged_decode_attention's bf16_dots, asked
-// for where a step's generated rows already meet bfloat16 weights): the
+// for where a step's generated rows already meet bfloat16 weights; the
+// values' pass pairs too, add_weighted_pairs_nh): the
 // query, scaled, rounded to bfloat16 once; key rows widened to bfloat16, which
 // holds every e4m3fn and bfloat16 value exactly, so each product is exact and
 // only the query's rounding differs from the float32 scores (far below an
@@ -586,6 +574,89 @@ inline void dot_rows_heads(const float* __restrict__ q, const T* __restrict__ ro
   }
 }
 
+#if defined(__AVX512F__)
+#if defined(SPLITSERVE_BF16_DOTS)
+// add_weighted_rows_nh in bfloat16 pairs (BF): the weights p, rounded to
+// bfloat16 (the prefill kernel's bfloat16 rows round theirs too), times the
+// value rows widened to bfloat16 (exact), two positions a dot product.  Two
+// rows' values interleave within each 128-bit lane (unpacklo/hi_epi16), so
+// accumulator k's lane 4L + j holds value 32 (k / 2) + 8L + 4 (k % 2) + j:
+// a[] is kept in that order from the span's first block to its last, and
+// unpair_values puts it back.  An odd block's last row pairs with zeros.
+template <int D, int NH, typename T>
+inline void add_weighted_pairs_nh(float* __restrict__ a, const uint16_t* __restrict__ p, int64_t p_stride,
+                                  const T* __restrict__ rows, int64_t stride, int64_t n) {
+  constexpr int C = D / 16, W = D / 32;
+  __m512 acc[NH][C];
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(a + g * D + 16 * c);
+  for (int64_t i = 0; i < n; i += 2) {
+    const bool two = i + 1 < n;
+    __m512bh r0[W], r1[W];
+    load_row_bf16<W>(rows + i * stride, r0);
+    if (two) load_row_bf16<W>(rows + (i + 1) * stride, r1);
+    else
+      for (int w = 0; w < W; ++w) r1[w] = (__m512bh)_mm512_setzero_si512();
+    __m512bh v[C];
+    for (int w = 0; w < W; ++w) {
+      v[2 * w] = (__m512bh)_mm512_unpacklo_epi16((__m512i)r0[w], (__m512i)r1[w]);
+      v[2 * w + 1] = (__m512bh)_mm512_unpackhi_epi16((__m512i)r0[w], (__m512i)r1[w]);
+    }
+    for (int g = 0; g < NH; ++g) {
+      uint32_t pair = p[g * p_stride + i];
+      if (two) pair |= static_cast<uint32_t>(p[g * p_stride + i + 1]) << 16;
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], v[c], pp);
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + g * D + 16 * c, acc[g][c]);
+}
+
+// a[0:D], in add_weighted_pairs_nh's order, back in the values' order.
+template <int D>
+inline void unpair_values(float* __restrict__ a) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int w = 0; w < D / 32; ++w) {
+    const __m512 x = _mm512_loadu_ps(a + 32 * w), y = _mm512_loadu_ps(a + 32 * w + 16);
+    _mm512_storeu_ps(a + 32 * w, _mm512_permutex2var_ps(x, lo, y));
+    _mm512_storeu_ps(a + 32 * w + 16, _mm512_permutex2var_ps(x, hi, y));
+  }
+}
+#endif
+
+// add_weighted_rows_nh (p: float weights) or add_weighted_pairs_nh (p:
+// bfloat16 weights) for nh (1 .. kRowHeads<D>) heads.
+template <int D, int NH, typename P, typename T>
+inline void add_weighted_nh(float* __restrict__ a, const P* __restrict__ p, int64_t p_stride,
+                            const T* __restrict__ rows, int64_t stride, int64_t n) {
+#if defined(SPLITSERVE_BF16_DOTS)
+  if constexpr (std::is_same_v<P, uint16_t>) {
+    add_weighted_pairs_nh<D, NH>(a, p, p_stride, rows, stride, n);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<P, float>) add_weighted_rows_nh<D, NH>(a, p, p_stride, rows, stride, n);
+}
+
+template <int D, typename P, typename T>
+inline void add_weighted_rows_heads(float* __restrict__ a, const P* __restrict__ p, int64_t p_stride,
+                                    const T* __restrict__ rows, int64_t stride, int64_t n, int64_t nh) {
+  if constexpr (kRowHeads<D> == 4) {
+    switch (nh) {
+      case 1: return add_weighted_nh<D, 1>(a, p, p_stride, rows, stride, n);
+      case 2: return add_weighted_nh<D, 2>(a, p, p_stride, rows, stride, n);
+      case 3: return add_weighted_nh<D, 3>(a, p, p_stride, rows, stride, n);
+      default: return add_weighted_nh<D, 4>(a, p, p_stride, rows, stride, n);
+    }
+  } else {
+    if (nh == 1) return add_weighted_nh<D, 1>(a, p, p_stride, rows, stride, n);
+    return add_weighted_nh<D, 2>(a, p, p_stride, rows, stride, n);
+  }
+}
+#endif
+
 // Partial result of one span: per query head, m, l and the unnormalised sum.
 struct Partial {
   float* m;    // [Hq]
@@ -688,6 +759,25 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   // Each head's softmax over the span: its max m, its sum l, scores -> weights.
   for (int64_t h = 0; h < Hq; ++h) span_softmax(scores + h * PT, t1 - t0, out.m[h], out.l[h]);
   // Pass 2: values, acc_h += p_h,i v_i.
+#if defined(SPLITSERVE_BF16_DOTS)
+  constexpr bool kPairs = BF && kBf16Keys<scalar_t> && D_ > 0 && D_ % 64 == 0;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const uint16_t* p16 = nullptr;  // kPairs: the weights in bfloat16, [Hq, PT] as scores
+#if defined(SPLITSERVE_BF16_DOTS)
+  if constexpr (kPairs) {
+    thread_local std::vector<uint16_t> rounded;
+    rounded.resize(Hq * PT);
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < t1 - t0; i += 16) {
+        const __mmask16 k = t1 - t0 - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t1 - t0 - i)) - 1);
+        const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, scores + h * PT + i));
+        _mm256_mask_storeu_epi16(rounded.data() + h * PT + i, k, r);
+      }
+    p16 = rounded.data();
+  }
+#endif
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs;
     const int64_t n = std::min(bs - off, t1 - t);
@@ -704,13 +794,18 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
 #if defined(__AVX512F__)
       if constexpr (D_ % 16 == 0 && RowLoad<scalar_t>::value) {
         // The heads of a KV head together, its rows widened in registers
-        // (pass 1 asked for these values already: nothing to ask for here).
+        // (pass 1 asked for these values already: nothing to ask for here);
+        // BF: the weights in bfloat16 (pairs).
         constexpr int64_t HM = kRowHeads<D_>;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
           for (int64_t g0 = 0; g0 < G; g0 += HM) {
             const int64_t h = hk * G + g0;
-            add_weighted_rows_heads<D_>(out.acc + h * D, pb + h * PT, PT, vb + hk * s_head, s_tok, n,
-                                        std::min(HM, G - g0));
+            if constexpr (kPairs)
+              add_weighted_rows_heads<D_>(out.acc + h * D, p16 + h * PT + (t - t0), PT, vb + hk * s_head, s_tok, n,
+                                          std::min(HM, G - g0));
+            else
+              add_weighted_rows_heads<D_>(out.acc + h * D, pb + h * PT, PT, vb + hk * s_head, s_tok, n,
+                                          std::min(HM, G - g0));
           }
         }
         grouped = true;
@@ -741,6 +836,11 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
     }
     t += n;
   }
+#if defined(SPLITSERVE_BF16_DOTS)
+  if constexpr (kPairs)
+    for (int64_t h = 0; h < Hq; ++h) unpair_values<D_>(out.acc + h * D);
+#endif
+  (void)p16;
 }
 
 // scalar_t: the query's and output's dtype; cache_t: the cache's (the same, bfloat16, float16 or fp8).
