@@ -111,6 +111,27 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return huge_pages.kv_cache_zeros(shape, dtype)
 
 
+def bf16_decode_attention(decodes: str, bf16_prompts: bool, attention: ModuleType | None) -> bool:
+    """Whether generated tokens under decode_dtype `decodes` attend in bfloat16:
+    those whose projections take bfloat16 inputs do, where the CPU attention
+    kernel can (paged_decode_attention's bf16_dots over fp8 e4m3 and bfloat16
+    caches: the query and the softmax's weights rounded to bfloat16, keys and
+    values exact), unless SPLITSERVE_BF16_DECODE_ATTENTION is "0".  Generated
+    tokens a step computes among others (drafts checked, tokens computed again
+    after a preemption) attend as bfloat16 rows of the prefill kernel, which
+    takes a run of leading rows: so only where prompt tokens attend in
+    bfloat16 too (bf16_prompts: prefill_dtype bfloat16 there), and then every
+    row does (mark_prompt_rows).
+    Zen 5 (family 26 model 2), 30 layers of 32 sequences over an e4m3 cache:
+    1.85 -> 1.47 ms at context 112, 5.16 -> 4.41 at 300; greedy outputs move
+    from float32 decodes' about as far as with the bfloat16 panels alone
+    (benchmarks/README.md, session 61)."""
+    if os.environ.get("SPLITSERVE_BF16_DECODE_ATTENTION") == "0":
+        return False
+    bf16_inputs = decodes in ("bfloat16", "bfloat16-weights") and bf16_prompts
+    return bf16_inputs and attention is not None and attention.decode_bf16_supported()
+
+
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows]: x itself where rows are all of its rows in order (a step of
     decodes), else index_select.  On the CPU x[list] is advanced indexing,
@@ -279,15 +300,6 @@ class ModelRunner:
         self.decodes = ""
         if decodes != "auto":
             self.prompt_rows = self._decodes(decodes)
-        # Generated tokens whose projections take bfloat16 inputs attend in
-        # bfloat16 pairs too, where the CPU kernel can (paged_decode_attention's
-        # bf16_dots over fp8 e4m3 and bfloat16 caches: the query and the
-        # softmax's weights rounded to bfloat16, keys and values exact).  Zen 5
-        # (family 26 model 2), 30 layers of 32 sequences over an e4m3 cache:
-        # 1.85 -> 1.47 ms at context 112, 5.16 -> 4.41 at 300.
-        attention = load_cpu_kernel() if self.device.type == "cpu" else None
-        self.bf16_decode_attention = (self.decodes in ("bfloat16", "bfloat16-weights")
-                                      and attention is not None and attention.decode_bf16_supported())
         if self.bf16_prompts:
             self.prompt_rows = self._bf16_prompts(self.prompt_rows)
             attention = load_cpu_kernel()
@@ -295,6 +307,8 @@ class ModelRunner:
             if not self.bf16_attention:
                 log.warning("prefill_dtype bfloat16: the attention kernel has no AVX512-BF16 build; "
                             "prompt tokens attend in float32")
+        self.bf16_decode_attention = bf16_decode_attention(
+            self.decodes, self.bf16_attention, load_cpu_kernel() if self.device.type == "cpu" else None)
         self._masker: ThreadPoolExecutor | None = None  # started by the first grammar
         self.lora: LoRAManager | None = None  # set by enable_lora
         if self.bf16_weights_model:
@@ -421,7 +435,9 @@ class ModelRunner:
         for the projections and the attention."""
         assert self.prompt_rows is not None
         self.prompt_rows.runs = row_runs(rows)
-        if self.bf16_attention and self.prompt_rows.runs:
+        if self.bf16_decode_attention:  # prompt and generated tokens alike (bf16_decode_attention)
+            meta.bf16_rows = list(meta.query_lens)
+        elif self.bf16_attention and self.prompt_rows.runs:
             meta.bf16_rows = leading_rows(self.prompt_rows.runs, meta.query_lens)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRAManager:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.layers.cpu_attention import load_cpu_kernel
 from tests.unit.test_linear_q4bf16 import Q4BF16_CPU
 from tests.unit.test_linear_q4bf16 import needs_cpu as needs_q4bf16
 
@@ -166,17 +167,25 @@ def test_bfloat16_decodes_round_less_than_int8(closer: str) -> None:
     assert 0 < gap[closer] < gap["int8"] / 4, gap
 
 
-@pytest.mark.parametrize("decodes", DECODES)
+@pytest.mark.parametrize("decodes", [*DECODES, pytest.param("bfloat16-weights+prompts", marks=needs_bf16)])
 def test_speculative_decoding_gives_the_same_tokens(decodes: str) -> None:
-    """Drafts are checked on the quantized path, as each token would be decoded."""
+    """Drafts are checked on the quantized path, as each token would be
+    decoded; with bfloat16 prompts too, generated tokens attend in bfloat16
+    (where the kernel can), drafts as bfloat16 rows of the prefill kernel."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = "one two three four five six seven eight nine ten one two three four five six"
-    plain = _llm(decodes).generate(prompt, params)[0].outputs[0].token_ids
+    decodes, _, prompts = decodes.partition("+")
+    kw = {"prefill_dtype": "bfloat16"} if prompts else {}
+    plain = _llm(decodes, **kw).generate(prompt, params)[0].outputs[0].token_ids
     spec = _llm(decodes, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}, **kw)
     out = spec.generate(prompt, params)[0].outputs[0].token_ids
     assert out == plain
     assert spec.engine.spec is not None and spec.engine.spec.stats.num_accepted_tokens > 0
+    if prompts:
+        attention = load_cpu_kernel()
+        assert spec.engine.runner.bf16_decode_attention == (attention is not None
+                                                            and attention.decode_bf16_supported())
 
 
 @pytest.fixture(scope="module", params=DECODES)

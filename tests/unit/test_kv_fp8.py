@@ -163,3 +163,21 @@ def test_decode_attention_in_bf16_pairs(dtype: torch.dtype, head_dim: int) -> No
         _, v = _decode_rows(zero_keys, meta.block_tables[b], length)
         mean = v.double().mean(0).repeat_interleave(group, dim=0)
         assert (kernel_out(zero_keys, True)[b].double() - mean).abs().max().item() < 1e-5, b
+
+
+def test_which_decodes_attend_in_bf16_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generated tokens on bfloat16 inputs (decode_dtype bfloat16 or
+    bfloat16-weights) attend in bfloat16 pairs where the kernel has them and
+    prompt tokens attend in bfloat16 too, unless
+    SPLITSERVE_BF16_DECODE_ATTENTION=0; float32 and int8 decodes never."""
+    from engine.layers.cpu_attention import load_cpu_kernel
+    from engine.model_runner import bf16_decode_attention
+
+    kernel = load_cpu_kernel()
+    can = kernel is not None and kernel.decode_bf16_supported()
+    assert [bf16_decode_attention(d, True, kernel) for d in ("", "int8", "bfloat16", "bfloat16-weights")] == [
+        False, False, can, can]
+    assert not bf16_decode_attention("bfloat16-weights", False, kernel)
+    assert not bf16_decode_attention("bfloat16-weights", True, None)
+    monkeypatch.setenv("SPLITSERVE_BF16_DECODE_ATTENTION", "0")
+    assert not bf16_decode_attention("bfloat16-weights", True, kernel)
