@@ -44,8 +44,8 @@ class AttentionMetadata:
     # empty: none.
     bf16_rows: list[int] = field(default_factory=list)
     # Whether the decodes attend in bfloat16 pairs (generated tokens under
-    # decode_dtype bfloat16 or bfloat16-weights, where the CPU kernel can: its
-    # bf16_dots).
+    # decode_dtype bfloat16 or bfloat16-weights with bfloat16 prompts, where the
+    # CPU kernel can: its bf16_dots; model_runner.bf16_decode_attention).
     bf16_decodes: bool = False
     # What a backend derives once per step and reuses in every layer (keyed by the backend).
     per_step: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

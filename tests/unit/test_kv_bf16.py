@@ -2,7 +2,8 @@
 float16): every attention reader (the torch path, the CPU kernels, Triton by
 its interpreter) computes on exactly the widened values, in float32; and the
 CPU kernels widen fp8 bytes exactly as torch does, all 256 of them, and every
-float16 value."""
+float16 value (and, for the decode kernel's bfloat16 pairs, every e4m3fn
+byte of a key to the float32 path's score)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """fp8 KV caches: the quantizer saturates, and every attention reader (the torch
 path, the CPU decode kernel, Triton by its interpreter) computes on exactly the
-dequantized values, close to the float answer."""
+dequantized values, close to the float answer; the decode kernel's bfloat16
+pairs (bfloat16 decodes) round only the query and the softmax's weights."""
 
 from __future__ import annotations
 
@@ -119,10 +120,9 @@ def test_decode_attention_in_bf16_pairs(dtype: torch.dtype, head_dim: int) -> No
     stored, by the softmax's weights rounded to bfloat16.  So it is the
     attention of that query to within the weights' rounding (each off by up
     to 2**-8 of itself; bounded here by 2**-7 of the sum of weights times
-    |values|), and it
-    differs from the float32 kernel's; with every key zero (weights 1, exact)
-    it is the values' mean to float32 rounding.  Over any other cache the flag
-    changes no bit."""
+    |values|), and it differs from the float32 kernel's; with every key zero
+    (weights 1, exact) it is the values' mean to float32 rounding.  Over any
+    other cache the flag changes no bit."""
     from engine.layers.cpu_attention import load_cpu_kernel
 
     kernel = load_cpu_kernel()

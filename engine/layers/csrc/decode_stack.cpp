@@ -113,7 +113,7 @@ class DecodeStack {
   // x: [B, hidden] float32, one generated token per sequence, updated in place
   // (the residual stream) and returned; cos, sin: the rows' rope values;
   // block_tables [B, max_blocks] and seq_lens [B] as the attention takes them;
-  // bf16_dots: the attention's scores in bfloat16 pairs (its bf16_dots).
+  // bf16_dots: the attention in bfloat16 pairs (paged_decode_attention's bf16_dots).
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, bool bf16_dots) const {

@@ -466,15 +466,15 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
 #endif
 }
 
-// Decode scores in bfloat16 pairs (paged_decode_attention's bf16_dots, asked
-// for where a step's generated rows already meet bfloat16 weights; the
-// values' pass pairs too, add_weighted_pairs_nh): the
-// query, scaled, rounded to bfloat16 once; key rows widened to bfloat16, which
-// holds every e4m3fn and bfloat16 value exactly, so each product is exact and
-// only the query's rounding differs from the float32 scores (far below an
-// fp8 key's own: 3 bits of mantissa against 8).  Two dot products a head and
-// row where float32 took four multiplies, and no float16 widening.  Other
-// caches and builds keep the float32 scores.
+// Decode attention in bfloat16 pairs (paged_decode_attention's bf16_dots,
+// asked for where a step's generated rows already meet bfloat16 weights).
+// Scores: the query, scaled, rounded to bfloat16 once; key rows widened to
+// bfloat16, which holds every e4m3fn and bfloat16 value exactly, so each
+// product is exact and only the query's rounding differs from the float32
+// scores (far below an fp8 key's own: 3 bits of mantissa against 8).  Two
+// dot products a head and row where float32 took four multiplies, and no
+// float16 widening.  The values' pass pairs too (add_weighted_pairs_nh).
+// Other caches and builds stay in float32.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define SPLITSERVE_BF16_DOTS 1
 template <typename T>
@@ -637,6 +637,7 @@ inline void add_weighted_nh(float* __restrict__ a, const P* __restrict__ p, int6
     return;
   }
 #endif
+  static_assert(std::is_same_v<P, float> || std::is_same_v<P, uint16_t>, "weights: float32, or bfloat16 bits");
   if constexpr (std::is_same_v<P, float>) add_weighted_rows_nh<D, NH>(a, p, p_stride, rows, stride, n);
 }
 
@@ -671,7 +672,8 @@ struct Partial {
 // chain of reductions, a scalar exp and a rescale of the accumulators between
 // every 16 positions; a span's scores fit in L1 (Hq x 128 floats), and its
 // values, asked for during the first pass, wait in L2 for the second.
-// BF: the scores in bfloat16 pairs (dot_rows_bf16_nh; kBf16Keys caches only).
+// BF: scores and weighted values in bfloat16 pairs (dot_rows_nh's BF,
+// add_weighted_pairs_nh; kBf16Keys caches, D_ a multiple of 64).
 template <typename scalar_t, int D_, bool BF>
 void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
           int64_t t0, int64_t t1, const float* __restrict__ qf, int64_t Hq, int64_t Hkv,
@@ -761,6 +763,8 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
   // Pass 2: values, acc_h += p_h,i v_i.
 #if defined(SPLITSERVE_BF16_DOTS)
   constexpr bool kPairs = BF && kBf16Keys<scalar_t> && D_ > 0 && D_ % 64 == 0;
+  // The grouped pass below is the one that pairs; unpair_values expects its order.
+  static_assert(!kPairs || RowLoad<scalar_t>::value, "bfloat16 pairs take the grouped values pass");
 #else
   constexpr bool kPairs = false;
 #endif
