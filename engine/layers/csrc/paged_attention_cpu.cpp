@@ -475,6 +475,16 @@ __attribute__((noinline)) void span_softmax(float* __restrict__ sh, int64_t n, f
 // dot products a head and row where float32 took four multiplies, and no
 // float16 widening.  The values' pass pairs too (add_weighted_pairs_nh).
 // Other caches and builds stay in float32.
+#if defined(__AVX512BF16__)
+// n floats (a multiple of 32) rounded to bfloat16, ties to even.
+inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(y + i, (__m512i)h);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define SPLITSERVE_BF16_DOTS 1
 template <typename T>
@@ -770,15 +780,11 @@ void span(const scalar_t* __restrict__ base, const int32_t* __restrict__ table,
 #endif
   const uint16_t* p16 = nullptr;  // kPairs: the weights in bfloat16, [Hq, PT] as scores
 #if defined(SPLITSERVE_BF16_DOTS)
-  if constexpr (kPairs) {
+  static_assert(PART_TOKENS % 32 == 0, "round_bf16 takes whole rows of scores");
+  if constexpr (kPairs) {  // every head's whole row of PT (a multiple of 32); past the span's positions unread
     thread_local std::vector<uint16_t> rounded;
     rounded.resize(Hq * PT);
-    for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t i = 0; i < t1 - t0; i += 16) {
-        const __mmask16 k = t1 - t0 - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t1 - t0 - i)) - 1);
-        const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, scores + h * PT + i));
-        _mm256_mask_storeu_epi16(rounded.data() + h * PT + i, k, r);
-      }
+    round_bf16(scores, rounded.data(), Hq * PT);
     p16 = rounded.data();
   }
 #endif
@@ -1241,14 +1247,6 @@ inline void pv_bf(int64_t rows, int64_t vecs, const uint16_t* p, int64_t lp, int
     if (vecs < NT) return pv_bf<R, NT - 1>(rows, vecs, p, lp, j0, j1, v, D, d0, rescale, o);
   }
   pv_tile_bf<R, NT>(p, lp, j0, j1, v, D, d0, rescale, o);
-}
-
-// n floats (a multiple of 32) rounded to bfloat16, ties to even.
-inline void round_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(y + i, (__m512i)h);
-  }
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
