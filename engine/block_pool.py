@@ -4,12 +4,19 @@ Pure bookkeeping: no torch.  The free queue is LRU-ordered: blocks at the front
 are handed out first.  A freed block that holds a cached prefix goes to the back
 (evicted last); a freed block with no hash goes to the front (used first, so
 cached prefixes survive as long as possible).
+
+Blocks never handed out leave the front in their order (the queue starts as
+0, 1, 2, ...; a freed block goes to the front or the back, never between
+them): every block below `high_water` was handed out at least once, and the
+next new ones are those just above it.  `on_fresh(high_water)` hears each
+rise (engine/layers/huge_pages.py's Prefault fills the cache's pages there
+before a step writes them).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.vocab.cache_events import CacheEvent
@@ -35,6 +42,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
         self._events: list[CacheEvent] = []
+        self.high_water = 0  # blocks [0, high_water) were handed out at least once
+        self.on_fresh: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,12 +64,18 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"allocate: asked for {n} blocks, {len(self._free)} free")
         out = []
+        high = self.high_water
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+            high = max(high, block_id + 1)
+        if high > self.high_water:
+            self.high_water = high
+            if self.on_fresh is not None:
+                self.on_fresh(high)
         return out
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Block | None:

@@ -68,6 +68,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
                                  prompt_blocks_only=self.runner.prompt_rows is not None)
+        # The cache's pages filled ahead of the blocks handed out next, off the steps' path.
+        self.prefault = self.runner.kv_prefault()
+        if self.prefault is not None:
+            self.kv.pool.on_fresh = self.prefault.ahead_of
+            self.prefault.ahead_of(0)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.spec: SpeculativeDecoder | None = None
         if config.speculative.enabled:

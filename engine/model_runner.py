@@ -453,6 +453,15 @@ class ModelRunner:
         """Another model (a draft) in this runner's dtype, on its device."""
         return load_model(model_dir, self.dtype, self.device)
 
+    def kv_prefault(self) -> huge_pages.Prefault | None:
+        """A filler of the CPU cache's pages ahead of use (huge_pages.Prefault),
+        or None: a GPU cache (torch.zeros wrote it), no kernels built, or
+        SPLITSERVE_KV_PREFAULT=0."""
+        kernel = load_linear_kernel() if self.device.type == "cpu" else None
+        if kernel is None or not huge_pages.prefault_enabled():
+            return None
+        return huge_pages.Prefault(self.kv_cache, self.block_bytes, kernel.touch_pages)
+
     @property
     def block_bytes(self) -> int:
         s = self.spec

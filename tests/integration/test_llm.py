@@ -9,6 +9,7 @@ import math
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.layers import huge_pages
 
 PROMPTS = [
     "The three primary colors are",
@@ -213,3 +214,16 @@ def test_priority_serves_lower_value_first() -> None:
     while eng.has_unfinished():
         order += [o.request_id for o in eng.step() if o.finished]
     assert order == ["r1", "r2", "r0"]
+
+
+def test_cache_pages_filled_ahead_of_the_blocks_handed_out(llm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The engine's block pool tells its Prefault each new high water; the
+    filler keeps its lead past it, to within the huge page it wakes for
+    (engine/layers/huge_pages.py), and SPLITSERVE_KV_PREFAULT=0 makes none."""
+    p, pool = llm.engine.prefault, llm.engine.kv.pool
+    assert p is not None and pool.on_fresh == p.ahead_of
+    llm.generate(PROMPTS, GREEDY)
+    assert pool.high_water >= len(PROMPTS)
+    assert p.wait(pool.high_water * p.block_bytes + p.lead - huge_pages.PREFAULT_CHUNK, timeout=60)
+    monkeypatch.setenv("SPLITSERVE_KV_PREFAULT", "0")
+    assert llm.engine.runner.kv_prefault() is None

@@ -70,3 +70,23 @@ def test_reset_prefix_cache() -> None:
     assert not pool.reset_prefix_cache()
     pool.free(a)
     assert pool.reset_prefix_cache() and pool.num_cached_blocks == 0
+
+
+def test_new_blocks_leave_in_order_and_on_fresh_hears_each_rise() -> None:
+    """Whatever was freed and where it went (front: no hash, back: cached),
+    the blocks never handed out leave the queue in their order: high_water
+    is the edge of what was ever handed out (huge_pages.Prefault fills the
+    cache's pages past it)."""
+    pool = BlockPool(8)
+    heard: list[int] = []
+    pool.on_fresh = heard.append
+    a = pool.allocate(3)
+    assert pool.high_water == 3 and heard == [3]
+    pool.cache_blocks(a[:1], hash_blocks([0, 1], 2, b""), [[0, 1]], parent=None)
+    pool.free(reversed(a))  # 1 and 2 to the front, cached 0 to the back
+    assert [b.block_id for b in pool.allocate(2)] == [1, 2]  # reused: no rise
+    assert pool.high_water == 3 and heard == [3]
+    assert [b.block_id for b in pool.allocate(4)] == [3, 4, 5, 6]
+    assert pool.high_water == 7 and heard == [3, 7]
+    assert [b.block_id for b in pool.allocate(2)] == [7, 0]  # the last new one, then the cached one
+    assert pool.high_water == 8 and heard == [3, 7, 8]

@@ -1,15 +1,21 @@
 """The packed weights and the KV cache on 2 MiB pages (engine/layers/huge_pages.py):
 a moved tensor keeps its values, views and sharing, its pages are asked to be
-huge (MADV_HUGEPAGE, VmFlags "hg"), and SPLITSERVE_HUGE_PAGES=0 moves nothing."""
+huge (MADV_HUGEPAGE, VmFlags "hg"), and SPLITSERVE_HUGE_PAGES=0 moves nothing;
+the KV cache's pages filled ahead of use (Prefault)."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.layers import huge_pages
+from engine.layers.cpu_attention import load_linear_kernel
 
 needs_thp = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
                                reason="this kernel has no transparent huge pages: MADV_HUGEPAGE is refused")
@@ -99,3 +105,65 @@ def test_kv_cache_zeros_on_huge_pages_out_of_core_dumps() -> None:
     assert mapping_size(kv.data_ptr()) >= kv.numel()
     kv[7, 3, 1] = 1.5  # writable, and only there
     assert kv.float().sum() == 1.5 * 16 * 3 * 64
+
+
+def resident(t: torch.Tensor, begin: int, end: int) -> list[bool]:
+    """Whether each 4 KiB page of t's bytes [begin, end) is in memory (mincore(2))."""
+    page = 4096
+    lo = (t.data_ptr() + begin) // page * page
+    n = -(-(t.data_ptr() + end - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    assert libc.mincore(lo, n * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return [bool(v & 1) for v in vec]
+
+
+@pytest.fixture(scope="module")
+def touch():  # type: ignore[no-untyped-def]
+    k = load_linear_kernel()
+    assert k is not None, "the linear kernel must build on this machine"
+    return k.touch_pages
+
+
+def test_prefault_fills_pages_past_the_blocks_handed_out_and_keeps_their_bytes(touch) -> None:  # type: ignore[no-untyped-def]
+    """A fresh cache has none of its pages; Prefault fills `lead` bytes past
+    the blocks handed out (in the background: waited on, not slept on), no
+    page beyond the huge page that ends them, and a block a step wrote keeps
+    what it holds."""
+    shape = (200, 30, 2, 16, 3, 64)  # 200 blocks of 184,320 bytes: 35 MiB
+    kv = huge_pages.kv_cache_zeros(shape, torch.float8_e4m3fn)
+    block, lead, size = kv[0].numel(), 4 << 20, kv.numel()
+    assert not any(resident(kv, 0, size))
+    kv[0, 5, 1] = 2.0  # block 0, handed out and written before the filler starts
+    p = huge_pages.Prefault(kv, block, touch, lead=lead)
+    p.ahead_of(1)
+    assert p.wait(block + lead, timeout=60)
+    assert all(resident(kv, 0, block + lead))
+    past = block + lead + huge_pages.HUGE_PAGE  # a huge page is filled whole
+    assert not any(resident(kv, past, size))
+    p.ahead_of(100)  # a step of new blocks: the filler goes on past them
+    assert p.wait(100 * block + lead, timeout=60)
+    assert all(resident(kv, 0, 100 * block + lead))
+    assert not any(resident(kv, 100 * block + lead + huge_pages.HUGE_PAGE, size))
+    assert kv.float().sum() == 2.0 * 16 * 3 * 64 and (kv[0, 5, 1] == 2.0).all()
+    p.ahead_of(200)  # the whole cache, not past it
+    assert p.wait(size, timeout=60) and p.filled == size
+
+
+def test_prefault_thread_ends_with_its_owner(touch) -> None:  # type: ignore[no-untyped-def]
+    """The thread holds the cache weakly: an engine let go frees its cache,
+    and the thread ends rather than waiting for more blocks forever."""
+    kv = huge_pages.kv_cache_zeros((8, 30, 2, 16, 3, 64), torch.float8_e4m3fn)
+    p = huge_pages.Prefault(kv, kv[0].numel(), touch, lead=0)
+    thread, cache = p.thread, weakref.ref(kv)
+    del p, kv
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and cache() is None
+
+
+def test_prefault_refuses_a_cache_of_other_blocks(touch) -> None:  # type: ignore[no-untyped-def]
+    kv = huge_pages.kv_cache_zeros((8, 30, 2, 16, 3, 64), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="not 8 blocks"):
+        huge_pages.Prefault(kv, kv[0].numel() + 1, touch)

@@ -1285,6 +1285,22 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Faults in the pages of t's bytes [begin, end) for writing, their contents
+// kept: a locked add of zero to one byte a 4 KiB page, so another thread's
+// store to that byte lands before or after it, never lost.  The OS fills a
+// page of the KV cache (huge_pages.kv_cache_zeros) on its first write; this
+// is how engine/layers/huge_pages.py's Prefault fills them ahead of the
+// blocks a step writes next, on a thread that runs when a core is idle.
+void touch_pages(const at::Tensor& t, int64_t begin, int64_t end) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "touch_pages: a contiguous CPU tensor only");
+  const int64_t n = t.numel() * t.element_size();
+  TORCH_CHECK(0 <= begin && begin <= end && end <= n, "touch_pages: bytes [", begin, ", ", end, ") are not in [0, ", n,
+              ")");
+  uint8_t* base = static_cast<uint8_t*>(t.data_ptr());
+  constexpr int64_t kPage = 4096;
+  for (int64_t at = begin; at < end; at = (at / kPage + 1) * kPage) __atomic_fetch_add(base + at, 0, __ATOMIC_RELAXED);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute kernels run without the GIL: the worker's event loop (gRPC
   // sends, new requests) runs its Python while the engine thread computes.
@@ -1388,5 +1404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_store_kv", &rope_and_store_kv, nogil(),
         "rope on q and k, k and v into the paged cache; returns q, k");
   m.def("silu_and_mul", &silu_and_mul, nogil(), "silu(gate) * up");
+  m.def("touch_pages", &touch_pages, nogil(),
+        "fault in the pages of t's bytes [begin, end) for writing, keeping what they hold", pybind11::arg("t"),
+        pybind11::arg("begin"), pybind11::arg("end"));
   def_decode_stack(m);
 }
