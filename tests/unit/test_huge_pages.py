@@ -126,6 +126,21 @@ def touch():  # type: ignore[no-untyped-def]
     return k.touch_pages
 
 
+def test_touch_pages_fills_every_page_a_range_overlaps_and_changes_no_byte(touch) -> None:  # type: ignore[no-untyped-def]
+    """From an address inside a page (a view 100 bytes in), three pages' worth
+    of bytes overlap four pages: all four are filled, none after them, and
+    the bytes read as before; a range outside the tensor is refused."""
+    raw = huge_pages.anonymous_bytes(64 << 10, huge=False)
+    view = raw[100:]
+    view[5000] = 7
+    touch(view, 0, 3 * 4096)
+    assert resident(raw, 0, 4 * 4096) == [True] * 4
+    assert not any(resident(raw, 4 * 4096, raw.numel()))
+    assert int(view[5000]) == 7 and int(raw.sum()) == 7
+    with pytest.raises(RuntimeError, match="not in"):
+        touch(view, 0, view.numel() + 1)
+
+
 def test_prefault_fills_pages_past_the_blocks_handed_out_and_keeps_their_bytes(touch) -> None:  # type: ignore[no-untyped-def]
     """A fresh cache has none of its pages; Prefault fills `lead` bytes past
     the blocks handed out (in the background: waited on, not slept on), no

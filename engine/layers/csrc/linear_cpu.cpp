@@ -1296,9 +1296,11 @@ void touch_pages(const at::Tensor& t, int64_t begin, int64_t end) {
   const int64_t n = t.numel() * t.element_size();
   TORCH_CHECK(0 <= begin && begin <= end && end <= n, "touch_pages: bytes [", begin, ", ", end, ") are not in [0, ", n,
               ")");
-  uint8_t* base = static_cast<uint8_t*>(t.data_ptr());
-  constexpr int64_t kPage = 4096;
-  for (int64_t at = begin; at < end; at = (at / kPage + 1) * kPage) __atomic_fetch_add(base + at, 0, __ATOMIC_RELAXED);
+  constexpr uintptr_t kPage = 4096;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  // The first byte, then each page's first byte: every page the range overlaps, once.
+  for (uintptr_t at = base + begin; at < base + end; at = (at / kPage + 1) * kPage)
+    __atomic_fetch_add(reinterpret_cast<uint8_t*>(at), 0, __ATOMIC_RELAXED);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
