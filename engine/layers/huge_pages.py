@@ -189,9 +189,6 @@ class Prefault:
         with s.cv:
             return s.cv.wait_for(lambda: s.done >= min(nbytes, s.size) or s.closed, timeout) and not s.closed
 
-    def close(self) -> None:
-        _close_prefault(self._state)
-
 
 def _close_prefault(s: _PrefaultState) -> None:
     with s.cv:
